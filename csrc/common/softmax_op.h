@@ -1,0 +1,94 @@
+// ATen-side helpers shared by the CPU and CUDA registrations of the softmax
+// family: argument checks, the [rows, cols] view and the mask layout.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <vector>
+
+#include "nanfree/softmax_math.h"
+
+namespace nanfree {
+
+inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "nanfree.", op, ": `", name,
+              "` must be float16, bfloat16, float32 or float64, got ", t.scalar_type());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& ref,
+                              const at::Tensor& t) {
+  TORCH_CHECK(t.device() == ref.device(), "nanfree.", op, ": `", name, "` is on ", t.device(),
+              " but the input is on ", ref.device());
+}
+
+inline void check_mask(const char* op, const at::Tensor& input, const at::Tensor& mask) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "nanfree.", op,
+              ": `mask` must be bool at the op level (nanfree.ops converts integer masks), got ",
+              mask.scalar_type());
+  TORCH_CHECK(mask.sizes() == input.sizes(), "nanfree.", op, ": `mask` must have the input's shape ",
+              input.sizes(), " (nanfree.ops broadcasts it), got ", mask.sizes());
+  check_same_device(op, "mask", input, mask);
+}
+
+// Accumulation dtype of the saved logsumexp: float64 for float64, else float32.
+inline at::ScalarType lse_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The last dimension is the reduced one: cols = its size, rows = the product of the others.
+struct RowsCols {
+  int64_t rows;
+  int64_t cols;
+};
+
+inline RowsCols rows_cols(const at::Tensor& input) {
+  if (input.dim() == 0) return RowsCols{1, 1};
+  const auto sizes = input.sizes();
+  return RowsCols{c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()};
+}
+
+// Shape of the per-row results (logsumexp): the input's shape without its last dim.
+inline std::vector<int64_t> row_shape(const at::Tensor& input) {
+  if (input.dim() == 0) return {};
+  return std::vector<int64_t>(input.sizes().begin(), input.sizes().end() - 1);
+}
+
+// Describes a bool mask of the input's shape (any strides, 0 for broadcast) as
+// a MaskView: leading dims collapsed to at most three, or else materialized.
+// `storage` keeps a materialized copy alive.
+inline MaskView make_mask_view(const std::optional<at::Tensor>& mask, at::Tensor& storage) {
+  MaskView view{nullptr, {1, 1, 1}, {0, 0, 0}, 0};
+  if (!mask.has_value()) return view;
+  storage = *mask;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const int64_t ndim = storage.dim();
+    view.col_stride = ndim == 0 ? 0 : storage.stride(-1);
+    std::vector<int64_t> sizes, strides;
+    for (int64_t d = 0; d + 1 < ndim; ++d) {
+      if (storage.size(d) == 1) continue;
+      if (!sizes.empty() && strides.back() == storage.stride(d) * storage.size(d)) {
+        sizes.back() *= storage.size(d);
+        strides.back() = storage.stride(d);
+      } else {
+        sizes.push_back(storage.size(d));
+        strides.push_back(storage.stride(d));
+      }
+    }
+    if (sizes.size() <= 3) {
+      const size_t pad = 3 - sizes.size();
+      for (size_t i = 0; i < 3; ++i) {
+        view.sizes[i] = i < pad ? 1 : sizes[i - pad];
+        view.strides[i] = i < pad ? 0 : strides[i - pad];
+      }
+      view.data = storage.const_data_ptr<bool>();
+      return view;
+    }
+    storage = storage.contiguous();
+  }
+  TORCH_INTERNAL_ASSERT(false, "a contiguous mask always collapses");
+  return view;
+}
+
+}  // namespace nanfree

@@ -1,0 +1,90 @@
+// Shared numerics of nanfree: plain C++ compiled by both g++ and nvcc.
+// No torch header may be included here. The Triton kernels in nanfree/_triton
+// mirror these functions under the same names.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define NF_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NF_HOST_DEVICE inline
+#endif
+
+namespace nanfree {
+
+template <typename T>
+NF_HOST_DEVICE T nf_inf() {
+  return std::numeric_limits<T>::infinity();
+}
+
+NF_HOST_DEVICE float nf_exp(float x) { return ::expf(x); }
+NF_HOST_DEVICE double nf_exp(double x) { return ::exp(x); }
+NF_HOST_DEVICE float nf_log(float x) { return ::logf(x); }
+NF_HOST_DEVICE double nf_log(double x) { return ::log(x); }
+
+template <typename T>
+NF_HOST_DEVICE bool nf_isnan(T x) {
+  return x != x;
+}
+
+template <typename T>
+NF_HOST_DEVICE bool nf_isinf(T x) {
+  return x == nf_inf<T>() || x == -nf_inf<T>();
+}
+
+// exp(a - b) for a <= b. Equal arguments give exactly 1, which is also the
+// limit when both are +inf: a - b would be inf - inf = NaN there.
+template <typename T>
+NF_HOST_DEVICE T lse_scale(T a, T b) {
+  return a == b ? T(1) : nf_exp(a - b);
+}
+
+// Online logsumexp state of a set of values: `max` is the largest value seen
+// (-inf for the empty set) and `sum` is sum(exp(v - max)). When max is +inf,
+// `sum` counts the +inf entries. A NaN value makes `sum` NaN; `max` is never NaN.
+template <typename T>
+struct LseState {
+  T max;
+  T sum;
+};
+
+template <typename T>
+NF_HOST_DEVICE LseState<T> lse_empty() {
+  return LseState<T>{-nf_inf<T>(), T(0)};
+}
+
+// Adds one value to the state.
+template <typename T>
+NF_HOST_DEVICE void lse_update(LseState<T>& state, T x) {
+  // -inf adds exp(-inf) = 0; comparing it with an empty state's max would
+  // otherwise count it as an equal (maximal) element.
+  if (x == -nf_inf<T>()) return;
+  if (x > state.max) {
+    state.sum = state.sum * lse_scale(state.max, x) + T(1);
+    state.max = x;
+  } else {
+    // A NaN x lands here (every comparison is false) and makes sum NaN.
+    state.sum += lse_scale(x, state.max);
+  }
+}
+
+// Combines the states of two disjoint sets.
+template <typename T>
+NF_HOST_DEVICE LseState<T> lse_merge(LseState<T> a, LseState<T> b) {
+  const T m = a.max > b.max ? a.max : b.max;
+  // lse_scale keeps equal maxima (both -inf when both sets are empty, or both
+  // +inf) at a factor 1 instead of exp(NaN).
+  return LseState<T>{m, a.sum * lse_scale(a.max, m) + b.sum * lse_scale(b.max, m)};
+}
+
+// log(sum(exp(v))): -inf for the empty set (max + log 0), +inf when a value
+// is +inf, NaN when a value is NaN.
+template <typename T>
+NF_HOST_DEVICE T lse_value(LseState<T> state) {
+  return state.max + nf_log(state.sum);
+}
+
+}  // namespace nanfree

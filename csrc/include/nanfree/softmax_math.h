@@ -1,0 +1,86 @@
+// softmax / log_softmax / logsumexp over the last dimension of a row-major
+// [rows, cols] problem: the special-value rules of DESIGN.md section 2, shared
+// by the CPU and CUDA kernels and mirrored by name in nanfree/_triton/softmax.py.
+#pragma once
+
+#include "nanfree/numerics.h"
+
+namespace nanfree {
+
+// A boolean mask viewed with the layout of a [rows, cols] problem. The row
+// index is split row-major over up to three collapsed dimensions (sizes,
+// strides); column j adds j * col_stride. Strides may be 0 (broadcast).
+// data == nullptr means no mask.
+struct MaskView {
+  const bool* data;
+  int64_t sizes[3];
+  int64_t strides[3];
+  int64_t col_stride;
+};
+
+NF_HOST_DEVICE int64_t mask_row_offset(const MaskView& mask, int64_t row) {
+  const int64_t i2 = row % mask.sizes[2];
+  row /= mask.sizes[2];
+  const int64_t i1 = row % mask.sizes[1];
+  const int64_t i0 = row / mask.sizes[1];
+  return i0 * mask.strides[0] + i1 * mask.strides[1] + i2 * mask.strides[2];
+}
+
+// The value softmax sees: a dropped entry is exactly -inf, whatever it held
+// (NaN included), as input.masked_fill(~mask, -inf).
+template <typename T>
+NF_HOST_DEVICE T masked_value(T x, bool keep) {
+  return keep ? x : -nf_inf<T>();
+}
+
+// Softmax of one entry given its row's state and inv_sum = 1 / state.sum.
+template <typename T>
+NF_HOST_DEVICE T softmax_value(T x, LseState<T> row, T inv_sum) {
+  // An empty row (all -inf or all masked) is the empty distribution: 0, not 0/0.
+  if (row.max == -nf_inf<T>()) return T(0);
+  // lse_scale gives 1 for x == max, so a row with k entries +inf gives 1/k
+  // there and exp(-inf) = 0 elsewhere.
+  return lse_scale(x, row.max) * inv_sum;
+}
+
+// log_softmax of one entry given log_sum = log(state.sum).
+template <typename T>
+NF_HOST_DEVICE T log_softmax_value(T x, LseState<T> row, T log_sum) {
+  // An empty row has log-probability -inf everywhere instead of -inf - (-inf).
+  if (row.max == -nf_inf<T>()) return -nf_inf<T>();
+  // x == max also covers +inf entries of a +inf row, where x - max is NaN:
+  // the limit is -log k.
+  if (x == row.max) return -log_sum;
+  return (x - row.max) - log_sum;
+}
+
+// Whether a row with this logsumexp passes any gradient: an empty row (-inf)
+// is an empty distribution and a row holding +inf is locally constant, so
+// both have gradient 0. A NaN row passes its NaN on.
+template <typename T>
+NF_HOST_DEVICE bool row_has_gradient(T lse) {
+  return !nf_isinf(lse);
+}
+
+// d softmax: y * (g - sum_j g_j y_j); `dot` is that sum over the row.
+template <typename T>
+NF_HOST_DEVICE T softmax_grad_value(T g, T y, T dot) {
+  return y * (g - dot);
+}
+
+// d log_softmax: g - exp(y) * sum_j g_j, the sum over the kept entries.
+// exp(-inf) = 0, so an unmasked -inf entry receives g; a dropped entry's
+// output does not depend on its input, so it receives 0.
+template <typename T>
+NF_HOST_DEVICE T log_softmax_grad_value(T g, T y, T grad_sum, bool keep) {
+  return keep ? g - nf_exp(y) * grad_sum : T(0);
+}
+
+// d logsumexp: g * exp(x - lse), the softmax of x. A dropped entry (and an
+// unmasked -inf, through exp(-inf) = 0) receives 0.
+template <typename T>
+NF_HOST_DEVICE T logsumexp_grad_value(T g, T x, T lse, bool keep) {
+  return keep ? g * nf_exp(x - lse) : T(0);
+}
+
+}  // namespace nanfree

@@ -1,0 +1,173 @@
+"""Which implementation serves which device.
+
+Default order: CPU tensors use the compiled C++ kernels; CUDA tensors use the
+compiled CUDA kernels, else the Triton kernels, else the pure-PyTorch
+implementation; any other device uses the pure-PyTorch implementation.
+
+``NANFREE_BACKEND=cpu|cuda|triton|torch`` forces one implementation for every
+device it can run on; import fails if it is not available at all, and a tensor
+on a device the forced backend cannot serve gets a clear error at call time.
+``triton`` serves CPU tensors only under ``TRITON_INTERPRET=1`` (Triton's
+interpreter), which is how the Triton kernels are tested without a GPU.
+"""
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from . import _softmax_registration
+
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+
+# op family -> (module holding the fake/autograd registration, op names)
+FAMILIES = {"softmax": _softmax_registration}
+
+_DESCRIPTIONS = {
+    "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",
+    "cuda": "cuda: compiled CUDA kernels (nanfree._C_cuda)",
+    "triton": "triton: Triton kernels (nanfree._triton)",
+    "torch": "torch: pure-PyTorch implementation (nanfree._torch_backend)",
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """NANFREE_BACKEND names an implementation that cannot run here."""
+
+
+def _extension_path(name):
+    spec = importlib.util.find_spec(f"nanfree.{name}")
+    return None if spec is None else spec.origin
+
+
+def _load_extension(name):
+    """Loads a compiled library; returns None on success, else why it failed."""
+    path = _extension_path(name)
+    if path is None:
+        return f"nanfree.{name} is not built"
+    try:
+        torch.ops.load_library(path)
+    except OSError as error:
+        return f"nanfree.{name} failed to load: {error}"
+    return None
+
+
+def _triton_problem():
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def forced_backend():
+    value = os.environ.get("NANFREE_BACKEND", "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise BackendUnavailableError(
+            f"NANFREE_BACKEND={value!r} is not one of {', '.join(BACKENDS)}"
+        )
+    return value
+
+
+_problem = _load_extension("_C")
+if _problem is not None:
+    raise ImportError(
+        f"{_problem}: build nanfree with `pip install --no-build-isolation .` "
+        "(the operator schemas live in the C++ extension)"
+    )
+for _family in FAMILIES.values():
+    _family.register()
+
+_FORCED = forced_backend()
+# device -> backend name, or an error message for a device the forced backend cannot serve
+SERVING = {}
+PROBLEMS = {}
+
+
+def _require(backend, problem):
+    if problem is not None:
+        raise BackendUnavailableError(f"NANFREE_BACKEND={backend} but {problem}")
+
+
+def _choose():
+    if _FORCED is None:
+        cpu_problem = _load_extension("_C_cpu")
+        PROBLEMS["cpu"] = cpu_problem
+        SERVING["cpu"] = "cpu" if cpu_problem is None else "torch"
+        cuda_problem = _load_extension("_C_cuda")
+        PROBLEMS["cuda"] = cuda_problem
+        PROBLEMS["triton"] = _triton_problem()
+        if cuda_problem is None:
+            SERVING["cuda"] = "cuda"
+        elif PROBLEMS["triton"] is None:
+            SERVING["cuda"] = "triton"
+        else:
+            SERVING["cuda"] = "torch"
+        return
+    if _FORCED == "cpu":
+        _require("cpu", _load_extension("_C_cpu"))
+        SERVING.update(cpu="cpu", cuda="NANFREE_BACKEND=cpu does not serve CUDA tensors")
+    elif _FORCED == "cuda":
+        _require("cuda", _load_extension("_C_cuda"))
+        SERVING.update(cuda="cuda", cpu="NANFREE_BACKEND=cuda does not serve CPU tensors")
+    elif _FORCED == "triton":
+        _require("triton", _triton_problem())
+        SERVING["cuda"] = "triton"
+        SERVING["cpu"] = (
+            "triton"
+            if _interpreting()
+            else "NANFREE_BACKEND=triton serves CPU tensors only with TRITON_INTERPRET=1"
+        )
+    else:
+        SERVING.update(cpu="torch", cuda="torch")
+
+
+def _refusing_kernel(message):
+    def refuse(*args, **kwargs):
+        raise BackendUnavailableError(f"nanfree: {message}")
+
+    return refuse
+
+
+def _register_python_kernels():
+    torch_impl = importlib.import_module("nanfree._torch_backend.softmax")
+    for name in _softmax_registration.OPS:
+        # Any device without a kernel of its own gets the pure-PyTorch one.
+        torch.library.register_kernel(f"nanfree::{name}", None, getattr(torch_impl, name))
+    for device, serving in SERVING.items():
+        if serving in ("cpu", "cuda"):
+            continue  # compiled kernels registered themselves when loaded
+        if serving == "triton":
+            module = importlib.import_module("nanfree._triton.softmax")
+        elif serving == "torch":
+            module = torch_impl
+        else:
+            module = None
+        for name in _softmax_registration.OPS:
+            kernel = _refusing_kernel(serving) if module is None else getattr(module, name)
+            torch.library.register_kernel(f"nanfree::{name}", device, kernel)
+
+
+_choose()
+_register_python_kernels()
+
+
+def backend_info():
+    """Which implementation serves each op family on each device, and why."""
+    serving = {}
+    for device in ("cpu", "cuda"):
+        choice = SERVING[device]
+        serving[device] = _DESCRIPTIONS.get(choice, f"refused: {choice}")
+    serving["other devices"] = _DESCRIPTIONS["torch"]
+    return {
+        "NANFREE_BACKEND": _FORCED or "(not set: automatic)",
+        "TRITON_INTERPRET": _interpreting(),
+        "cuda_available": torch.cuda.is_available(),
+        "ops": {family: dict(serving) for family in FAMILIES},
+        "unavailable": {name: why for name, why in PROBLEMS.items() if why is not None},
+    }

@@ -1,0 +1,92 @@
+"""The softmax family over the last dimension, in plain torch operations.
+
+Mirrors csrc/include/nanfree/softmax_math.h: the same online (max, sum) state
+taken whole-row, and the same special-value rules, written with torch.where.
+Signatures and results are those of the ``nanfree::*_lastdim`` ops.
+"""
+
+import torch
+
+INF = float("inf")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _masked(input: torch.Tensor, mask) -> torch.Tensor:
+    x = input.to(_acc_dtype(input.dtype))
+    # masked_value: a dropped entry is exactly -inf, whatever it held.
+    return x if mask is None else x.masked_fill(~mask, -INF)
+
+
+def lse_state(x: torch.Tensor):
+    """(max, sum, exps) of each row of x: max never NaN, exps = lse_scale(x, max)."""
+    if x.shape[-1] == 0:
+        shape = x.shape[:-1]
+        return x.new_full(shape, -INF), x.new_zeros(shape), x
+    # NaN must not become the max (it reaches sum through its exp instead).
+    row_max = torch.where(torch.isnan(x), -INF, x).amax(dim=-1, keepdim=True)
+    # lse_scale: exactly 1 where x == max (also +inf == +inf, where x - max is
+    # NaN); lse_update: a -inf entry adds 0 even when the max is -inf too.
+    exps = torch.where(x == -INF, 0.0, torch.where(x == row_max, 1.0, torch.exp(x - row_max)))
+    return row_max.squeeze(-1), exps.sum(dim=-1), exps
+
+
+def _forward_state(input, mask):
+    x = _masked(input, mask)
+    row_max, row_sum, exps = lse_state(x)
+    lse = row_max + torch.log(row_sum)  # lse_value: -inf empty, +inf, NaN pass through
+    return x, row_max, row_sum, exps, lse
+
+
+def softmax_lastdim(input, mask=None):
+    _, row_max, row_sum, exps, lse = _forward_state(input, mask)
+    # softmax_value: an empty row is all 0 rather than 0/0.
+    out = torch.where((row_max == -INF).unsqueeze(-1), 0.0, exps / row_sum.unsqueeze(-1))
+    return out.to(input.dtype), lse
+
+
+def log_softmax_lastdim(input, mask=None):
+    x, row_max, row_sum, _, lse = _forward_state(input, mask)
+    log_sum = torch.log(row_sum).unsqueeze(-1)
+    m = row_max.unsqueeze(-1)
+    # log_softmax_value: -inf for an empty row; -log k on the +inf entries.
+    out = torch.where(m == -INF, -INF, torch.where(x == m, -log_sum, (x - m) - log_sum))
+    return out.to(input.dtype), lse
+
+
+def logsumexp_lastdim(input, mask=None):
+    *_, lse = _forward_state(input, mask)
+    return lse.to(input.dtype, copy=True), lse  # two outputs never alias
+
+
+def _row_has_gradient(lse):
+    # An empty row (-inf) and a row holding +inf pass no gradient.
+    return (~torch.isinf(lse)).unsqueeze(-1)
+
+
+def softmax_lastdim_backward(grad_output, output, lse):
+    acc = lse.dtype
+    g, y = grad_output.to(acc), output.to(acc)
+    dx = y * (g - (g * y).sum(dim=-1, keepdim=True))
+    return torch.where(_row_has_gradient(lse), dx, 0.0).to(output.dtype)
+
+
+def log_softmax_lastdim_backward(grad_output, output, lse, mask=None):
+    acc = lse.dtype
+    g, y = grad_output.to(acc), output.to(acc)
+    kept = g if mask is None else g.masked_fill(~mask, 0.0)
+    dx = g - torch.exp(y) * kept.sum(dim=-1, keepdim=True)
+    if mask is not None:
+        dx = dx.masked_fill(~mask, 0.0)  # a dropped entry's output is constant
+    return torch.where(_row_has_gradient(lse), dx, 0.0).to(output.dtype)
+
+
+def logsumexp_lastdim_backward(grad_output, input, lse, mask=None):
+    acc = lse.dtype
+    x = input.to(acc)
+    dx = grad_output.to(acc).unsqueeze(-1) * torch.exp(x - lse.unsqueeze(-1))
+    if mask is not None:
+        dx = dx.masked_fill(~mask, 0.0)  # dropped entries (NaN included) get 0
+    return torch.where(_row_has_gradient(lse), dx, 0.0).to(input.dtype)

@@ -1,0 +1,142 @@
+"""Builds nanfree's C++ extensions.
+
+- ``nanfree._C``: every operator schema (csrc/registration.cpp). Always built.
+- ``nanfree._C_cpu``: the CPU kernels (csrc/cpu). Always built.
+- ``nanfree._C_cuda``: the CUDA kernels (csrc/cuda). Built when torch has CUDA and
+  ``nvcc`` is found, also on a machine without a GPU (compile and link only).
+
+Environment:
+- ``NANFREE_CUDA=0|1|auto`` (default auto): 1 fails the build when CUDA cannot be built.
+- ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures (default "8.0;9.0+PTX").
+- ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
+  CPU kernels; auto picks the best one the build machine has.
+
+No fast-math flag is ever used: it lets the compiler delete NaN and inf checks.
+"""
+
+import glob
+import os
+import platform
+import shutil
+import subprocess
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_cuda_home():
+    """A CUDA toolkit folder with bin/nvcc and include/cuda_runtime.h, or None."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            return os.environ[env]
+    nvcc = shutil.which("nvcc")
+    candidates = []
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+        # nvcc may be a wrapper script: ask it where its own binary lives.
+        try:
+            out = subprocess.run([nvcc, "-dryrun", "--version"], capture_output=True, text=True)
+            for line in (out.stdout + out.stderr).splitlines():
+                if "TOP=" in line:
+                    candidates.append(line.split("TOP=", 1)[1].strip())
+        except OSError:
+            pass
+    candidates.append("/usr/local/cuda")
+    for path in candidates:
+        if os.path.exists(os.path.join(path, "include", "cuda_runtime.h")) and os.path.exists(
+            os.path.join(path, "bin", "nvcc")
+        ):
+            return path
+    return None
+
+
+_cuda_mode = os.environ.get("NANFREE_CUDA", "auto").lower()
+if _cuda_mode not in ("0", "1", "auto"):
+    raise SystemExit(f"NANFREE_CUDA must be 0, 1 or auto, got {_cuda_mode!r}")
+_cuda_home = _find_cuda_home() if _cuda_mode != "0" else None
+if _cuda_home:
+    # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
+    os.environ["CUDA_HOME"] = _cuda_home
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+
+SAFE_MATH = ["-fno-fast-math"]  # never -ffast-math / -Ofast: they delete NaN checks
+CXX_FLAGS = ["-O3", "-std=c++20", "-Wno-unknown-pragmas", *SAFE_MATH]
+INCLUDE_DIRS = [os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "include")]
+
+
+def _cpu_isa_flags():
+    """Compiler flags and ATen CPU_CAPABILITY for the vectorized CPU kernels."""
+    isa = os.environ.get("NANFREE_CPU_ISA", "auto").lower()
+    if isa == "auto":
+        isa = "default"
+        if platform.machine() in ("x86_64", "AMD64") and os.path.exists("/proc/cpuinfo"):
+            with open("/proc/cpuinfo") as f:
+                flags = f.read()
+            if " avx2" in flags and " fma" in flags:
+                isa = "avx2"
+    if isa == "avx512":
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if isa == "avx2":
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    if isa == "default":
+        return ["-DCPU_CAPABILITY=DEFAULT"]
+    raise SystemExit(f"NANFREE_CPU_ISA must be auto, avx2, avx512 or default, got {isa!r}")
+
+
+def _cuda_extension():
+    if _cuda_mode == "0":
+        return None
+    problem = None
+    if torch.version.cuda is None:
+        problem = "this torch build has no CUDA"
+    elif _cuda_home is None:
+        problem = "nvcc (a CUDA toolkit) was not found"
+    if problem:
+        if _cuda_mode == "1":
+            raise SystemExit(f"NANFREE_CUDA=1 but {problem}")
+        print(f"nanfree: not building the CUDA extension: {problem}")
+        return None
+    from torch.utils.cpp_extension import CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    include_dirs = list(INCLUDE_DIRS)
+    # Wheels of torch ship the CUDA library headers (cuBLAS, cuSPARSE, ...) in
+    # site-packages/nvidia/*/include; ATen's CUDA headers include them.
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            include_dirs += sorted(glob.glob(os.path.join(root, "*", "include")))
+    except ImportError:
+        pass
+    sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    return CUDAExtension(
+        "nanfree._C_cuda",
+        sources,
+        include_dirs=include_dirs,
+        extra_compile_args={
+            "cxx": CXX_FLAGS,
+            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
+        },
+    )
+
+
+ext_modules = [
+    CppExtension("nanfree._C", ["csrc/registration.cpp"], include_dirs=INCLUDE_DIRS,
+                 extra_compile_args={"cxx": CXX_FLAGS}),
+    CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
+                 extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags()}),
+]
+_cuda = _cuda_extension()
+if _cuda is not None:
+    ext_modules.append(_cuda)
+
+setup(
+    packages=find_packages(include=["nanfree", "nanfree.*"]),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)},
+)
