@@ -134,22 +134,31 @@ def _refusing_kernel(message):
     return refuse
 
 
+def _lazy_kernel(module_name, name):
+    """Imports the implementation on first call (importing triton takes a while)."""
+
+    def kernel(*args):
+        return getattr(importlib.import_module(module_name), name)(*args)
+
+    kernel.__name__ = name
+    return kernel
+
+
+_MODULES = {"triton": "nanfree._triton.softmax", "torch": "nanfree._torch_backend.softmax"}
+
+
 def _register_python_kernels():
-    torch_impl = importlib.import_module("nanfree._torch_backend.softmax")
     for name in _softmax_registration.OPS:
         # Any device without a kernel of its own gets the pure-PyTorch one.
-        torch.library.register_kernel(f"nanfree::{name}", None, getattr(torch_impl, name))
+        torch.library.register_kernel(f"nanfree::{name}", None, _lazy_kernel(_MODULES["torch"], name))
     for device, serving in SERVING.items():
         if serving in ("cpu", "cuda"):
             continue  # compiled kernels registered themselves when loaded
-        if serving == "triton":
-            module = importlib.import_module("nanfree._triton.softmax")
-        elif serving == "torch":
-            module = torch_impl
-        else:
-            module = None
         for name in _softmax_registration.OPS:
-            kernel = _refusing_kernel(serving) if module is None else getattr(module, name)
+            if serving in _MODULES:
+                kernel = _lazy_kernel(_MODULES[serving], name)
+            else:
+                kernel = _refusing_kernel(serving)
             torch.library.register_kernel(f"nanfree::{name}", device, kernel)
 
 

@@ -12,52 +12,54 @@ BACKWARD_OPS = (
 OPS = FORWARD_OPS + BACKWARD_OPS
 
 
-def _lse_dtype(dtype):
+def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _fake_stats(input):
+    """Per-row (max, log_sum) saved for the backward."""
+    return input.new_empty((*input.shape[:-1], 2), dtype=_acc_dtype(input.dtype))
+
+
 def _fake_forward(input, mask=None):
-    rows_shape = input.shape[:-1]
-    lse = input.new_empty(rows_shape, dtype=_lse_dtype(input.dtype))
-    return input.new_empty(input.shape), lse
+    return input.new_empty(input.shape), _fake_stats(input)
 
 
 def _fake_logsumexp(input, mask=None):
-    rows_shape = input.shape[:-1]
-    return input.new_empty(rows_shape), input.new_empty(rows_shape, dtype=_lse_dtype(input.dtype))
+    return input.new_empty(input.shape[:-1]), _fake_stats(input)
 
 
-def _fake_backward(grad_output, saved, lse, mask=None):
+def _fake_backward(grad_output, saved, stats, mask=None):
     return saved.new_empty(saved.shape)
 
 
 def _setup_softmax(ctx, inputs, output):
     _, mask = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(out, lse, mask)
+    out, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(out, stats, mask)
 
 
 def _setup_logsumexp(ctx, inputs, output):
     input, mask = inputs
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(input, lse, mask)
+    _, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(input, stats, mask)
 
 
-def _softmax_backward(ctx, grad_out, _grad_lse):
-    out, lse, _ = ctx.saved_tensors
-    return torch.ops.nanfree.softmax_lastdim_backward(grad_out, out, lse), None
+def _softmax_backward(ctx, grad_out, _grad_stats):
+    out, stats, _ = ctx.saved_tensors
+    return torch.ops.nanfree.softmax_lastdim_backward(grad_out, out, stats), None
 
 
-def _log_softmax_backward(ctx, grad_out, _grad_lse):
-    out, lse, mask = ctx.saved_tensors
-    return torch.ops.nanfree.log_softmax_lastdim_backward(grad_out, out, lse, mask), None
+def _log_softmax_backward(ctx, grad_out, _grad_stats):
+    out, stats, mask = ctx.saved_tensors
+    return torch.ops.nanfree.log_softmax_lastdim_backward(grad_out, out, stats, mask), None
 
 
-def _logsumexp_backward(ctx, grad_out, _grad_lse):
-    input, lse, mask = ctx.saved_tensors
-    return torch.ops.nanfree.logsumexp_lastdim_backward(grad_out, input, lse, mask), None
+def _logsumexp_backward(ctx, grad_out, _grad_stats):
+    input, stats, mask = ctx.saved_tensors
+    return torch.ops.nanfree.logsumexp_lastdim_backward(grad_out, input, stats, mask), None
 
 
 def register():

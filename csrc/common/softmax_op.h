@@ -32,8 +32,8 @@ inline void check_mask(const char* op, const at::Tensor& input, const at::Tensor
   check_same_device(op, "mask", input, mask);
 }
 
-// Accumulation dtype of the saved logsumexp: float64 for float64, else float32.
-inline at::ScalarType lse_dtype(at::ScalarType input) {
+// Accumulation dtype, also of the saved row statistics: float64 for float64, else float32.
+inline at::ScalarType acc_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
 }
 
@@ -89,6 +89,13 @@ inline MaskView make_mask_view(const std::optional<at::Tensor>& mask, at::Tensor
   }
   TORCH_INTERNAL_ASSERT(false, "a contiguous mask always collapses");
   return view;
+}
+
+// Shape of the saved row statistics (max, log_sum): the row shape plus a last dim of 2.
+inline std::vector<int64_t> stats_shape(const at::Tensor& input) {
+  std::vector<int64_t> shape = row_shape(input);
+  shape.push_back(2);
+  return shape;
 }
 
 }  // namespace nanfree

@@ -101,13 +101,13 @@ LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t* exps) {
 
 template <Forward kind, typename scalar_t>
 void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& output,
-                    at::Tensor& lse) {
+                    at::Tensor& stats) {
   using acc_t = at::opmath_type<scalar_t>;
   const RowsCols shape = rows_cols(input);
   const int64_t rows = shape.rows, cols = shape.cols;
   const scalar_t* in = input.const_data_ptr<scalar_t>();
   scalar_t* out = output.mutable_data_ptr<scalar_t>();
-  acc_t* lse_out = lse.mutable_data_ptr<acc_t>();
+  acc_t* stats_out = stats.mutable_data_ptr<acc_t>();
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
@@ -123,10 +123,10 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
         chunk_maxima[c] = part.max;
         state = lse_merge(state, part);
       }
-      const acc_t row_lse = lse_value(state);
-      lse_out[r] = row_lse;
+      stats_out[2 * r] = state.max;
+      stats_out[2 * r + 1] = nf_log(state.sum);
       if constexpr (kind == Forward::LogSumExp) {
-        out[r] = static_cast<scalar_t>(row_lse);
+        out[r] = static_cast<scalar_t>(lse_value(state));
         continue;
       }
       scalar_t* y = out + r * cols;
@@ -169,16 +169,17 @@ std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& inp
   check_float_input(op, "input", input_);
   if (mask.has_value()) check_mask(op, input_, *mask);
   const at::Tensor input = input_.contiguous();
-  at::Tensor lse = at::empty(row_shape(input), input.options().dtype(lse_dtype(input.scalar_type())));
+  at::Tensor stats =
+      at::empty(stats_shape(input), input.options().dtype(acc_dtype(input.scalar_type())));
   at::Tensor output = kind == Forward::LogSumExp ? at::empty(row_shape(input), input.options())
                                                  : at::empty(input.sizes(), input.options());
   at::Tensor mask_storage;
   const MaskView view = make_mask_view(mask, mask_storage);
-  if (lse.numel() == 0) return {output, lse};
+  if (stats.numel() == 0) return {output, stats};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "nanfree_softmax_forward", [&] {
-    forward_kernel<kind, scalar_t>(input, view, output, lse);
+    forward_kernel<kind, scalar_t>(input, view, output, stats);
   });
-  return {output, lse};
+  return {output, stats};
 }
 
 template <typename acc_t>
@@ -212,22 +213,22 @@ const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) 
 enum class Backward { Softmax, LogSoftmax, LogSumExp };
 
 template <Backward kind, typename scalar_t>
-void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& lse,
+void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
                      const MaskView& mask, at::Tensor& grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
   const RowsCols shape = rows_cols(saved);
   const int64_t rows = shape.rows, cols = shape.cols;
   const scalar_t* g_all = grad.const_data_ptr<scalar_t>();
   const scalar_t* s_all = saved.const_data_ptr<scalar_t>();
-  const acc_t* lse_all = lse.const_data_ptr<acc_t>();
+  const acc_t* stats_all = stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = grad_input.mutable_data_ptr<scalar_t>();
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> g_buf(cols), s_buf(cols), dx(cols);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* dx_row = dx_all + r * cols;
-      const acc_t row_lse = lse_all[r];
-      if (!row_has_gradient(row_lse)) {
+      const RowStats<acc_t> row{stats_all[2 * r], stats_all[2 * r + 1]};
+      if (!row_has_gradient(row)) {
         std::fill(dx_row, dx_row + cols, scalar_t(0));
         continue;
       }
@@ -235,12 +236,14 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::
       if constexpr (kind == Backward::LogSumExp) {
         const acc_t g = static_cast<acc_t>(g_all[r]);
         if (mask.data == nullptr) {
-          const Vec<acc_t> gv(g), lv(row_lse);
-          at::vec::map([&](Vec<acc_t> x) { return gv * (x - lv).exp(); }, dx.data(), s, cols);
+          const Vec<acc_t> gv(g), max_v(row.max), log_sum_v(row.log_sum);
+          // g * exp(x - max - log_sum), as logsumexp_grad_value with every entry kept.
+          at::vec::map([&](Vec<acc_t> x) { return gv * ((x - max_v) - log_sum_v).exp(); },
+                       dx.data(), s, cols);
         } else {
           const bool* keep = mask.data + mask_row_offset(mask, r);
           for (int64_t j = 0; j < cols; ++j)
-            dx[j] = logsumexp_grad_value(g, s[j], row_lse, keep[j * mask.col_stride]);
+            dx[j] = logsumexp_grad_value(g, s[j], row, keep[j * mask.col_stride]);
         }
       } else {
         const acc_t* g = as_acc(g_all + r * cols, cols, g_buf);
@@ -270,7 +273,7 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::
 
 template <Backward kind>
 at::Tensor backward(const char* op, const at::Tensor& grad_, const at::Tensor& saved_,
-                    const at::Tensor& lse_, const std::optional<at::Tensor>& mask) {
+                    const at::Tensor& stats_, const std::optional<at::Tensor>& mask) {
   check_float_input(op, "grad_output", grad_);
   check_float_input(op, "saved", saved_);
   TORCH_CHECK(grad_.scalar_type() == saved_.scalar_type(), "nanfree.", op,
@@ -280,17 +283,20 @@ at::Tensor backward(const char* op, const at::Tensor& grad_, const at::Tensor& s
                                                          : saved_.sizes().vec();
   TORCH_CHECK(grad_.sizes().vec() == expected_grad, "nanfree.", op, ": `grad_output` has shape ",
               grad_.sizes(), ", expected ", at::IntArrayRef(expected_grad));
-  TORCH_CHECK(lse_.sizes().vec() == row_shape(saved_) &&
-                  lse_.scalar_type() == lse_dtype(saved_.scalar_type()),
-              "nanfree.", op, ": `lse` must be the forward's saved logsumexp");
+  TORCH_CHECK(stats_.sizes().vec() == stats_shape(saved_) &&
+                  stats_.scalar_type() == acc_dtype(saved_.scalar_type()),
+              "nanfree.", op, ": `stats` must be the forward's saved row statistics");
+  check_same_device(op, "grad_output", saved_, grad_);
+  check_same_device(op, "stats", saved_, stats_);
   if (mask.has_value()) check_mask(op, saved_, *mask);
-  const at::Tensor grad = grad_.contiguous(), saved = saved_.contiguous(), lse = lse_.contiguous();
+  const at::Tensor grad = grad_.contiguous(), saved = saved_.contiguous(),
+                   stats = stats_.contiguous();
   at::Tensor grad_input = at::empty(saved.sizes(), saved.options());
   at::Tensor mask_storage;
   const MaskView view = make_mask_view(mask, mask_storage);
   if (grad_input.numel() == 0) return grad_input;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, saved.scalar_type(), "nanfree_softmax_backward", [&] {
-    backward_kernel<kind, scalar_t>(grad, saved, lse, view, grad_input);
+    backward_kernel<kind, scalar_t>(grad, saved, stats, view, grad_input);
   });
   return grad_input;
 }
@@ -308,18 +314,18 @@ std::tuple<at::Tensor, at::Tensor> logsumexp_lastdim(const at::Tensor& input,
   return forward<Forward::LogSumExp>("logsumexp", input, mask);
 }
 at::Tensor softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
-                                    const at::Tensor& lse) {
-  return backward<Backward::Softmax>("softmax_backward", grad, output, lse, std::nullopt);
+                                    const at::Tensor& stats) {
+  return backward<Backward::Softmax>("softmax_backward", grad, output, stats, std::nullopt);
 }
 at::Tensor log_softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
-                                        const at::Tensor& lse,
+                                        const at::Tensor& stats,
                                         const std::optional<at::Tensor>& mask) {
-  return backward<Backward::LogSoftmax>("log_softmax_backward", grad, output, lse, mask);
+  return backward<Backward::LogSoftmax>("log_softmax_backward", grad, output, stats, mask);
 }
 at::Tensor logsumexp_lastdim_backward(const at::Tensor& grad, const at::Tensor& input,
-                                      const at::Tensor& lse,
+                                      const at::Tensor& stats,
                                       const std::optional<at::Tensor>& mask) {
-  return backward<Backward::LogSumExp>("logsumexp_backward", grad, input, lse, mask);
+  return backward<Backward::LogSumExp>("logsumexp_backward", grad, input, stats, mask);
 }
 
 }  // namespace

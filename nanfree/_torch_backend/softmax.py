@@ -36,57 +36,62 @@ def lse_state(x: torch.Tensor):
 def _forward_state(input, mask):
     x = _masked(input, mask)
     row_max, row_sum, exps = lse_state(x)
-    lse = row_max + torch.log(row_sum)  # lse_value: -inf empty, +inf, NaN pass through
-    return x, row_max, row_sum, exps, lse
+    log_sum = torch.log(row_sum)
+    # row_stats: (max, log_sum) per row, saved for the backward.
+    stats = torch.stack([row_max, log_sum], dim=-1)
+    return x, row_max, row_sum, exps, stats
 
 
 def softmax_lastdim(input, mask=None):
-    _, row_max, row_sum, exps, lse = _forward_state(input, mask)
+    _, row_max, row_sum, exps, stats = _forward_state(input, mask)
     # softmax_value: an empty row is all 0 rather than 0/0.
     out = torch.where((row_max == -INF).unsqueeze(-1), 0.0, exps / row_sum.unsqueeze(-1))
-    return out.to(input.dtype), lse
+    return out.to(input.dtype), stats
 
 
 def log_softmax_lastdim(input, mask=None):
-    x, row_max, row_sum, _, lse = _forward_state(input, mask)
-    log_sum = torch.log(row_sum).unsqueeze(-1)
+    x, row_max, _, _, stats = _forward_state(input, mask)
+    log_sum = stats[..., 1:]
     m = row_max.unsqueeze(-1)
     # log_softmax_value: -inf for an empty row; -log k on the +inf entries.
     out = torch.where(m == -INF, -INF, torch.where(x == m, -log_sum, (x - m) - log_sum))
-    return out.to(input.dtype), lse
+    return out.to(input.dtype), stats
 
 
 def logsumexp_lastdim(input, mask=None):
-    *_, lse = _forward_state(input, mask)
-    return lse.to(input.dtype, copy=True), lse  # two outputs never alias
+    *_, stats = _forward_state(input, mask)
+    # lse_value: max + log(sum) is -inf for an empty row, +inf with a +inf entry.
+    return (stats[..., 0] + stats[..., 1]).to(input.dtype), stats
 
 
-def _row_has_gradient(lse):
-    # An empty row (-inf) and a row holding +inf pass no gradient.
-    return (~torch.isinf(lse)).unsqueeze(-1)
+def _row_has_gradient(stats):
+    # An empty row (max -inf) and a row holding +inf (max +inf) pass no
+    # gradient; a row holding NaN passes its NaN on.
+    return ~torch.isinf(stats[..., :1]) | torch.isnan(stats[..., 1:])
 
 
-def softmax_lastdim_backward(grad_output, output, lse):
-    acc = lse.dtype
+def softmax_lastdim_backward(grad_output, output, stats):
+    acc = stats.dtype
     g, y = grad_output.to(acc), output.to(acc)
     dx = y * (g - (g * y).sum(dim=-1, keepdim=True))
-    return torch.where(_row_has_gradient(lse), dx, 0.0).to(output.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype)
 
 
-def log_softmax_lastdim_backward(grad_output, output, lse, mask=None):
-    acc = lse.dtype
+def log_softmax_lastdim_backward(grad_output, output, stats, mask=None):
+    acc = stats.dtype
     g, y = grad_output.to(acc), output.to(acc)
     kept = g if mask is None else g.masked_fill(~mask, 0.0)
     dx = g - torch.exp(y) * kept.sum(dim=-1, keepdim=True)
     if mask is not None:
         dx = dx.masked_fill(~mask, 0.0)  # a dropped entry's output is constant
-    return torch.where(_row_has_gradient(lse), dx, 0.0).to(output.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype)
 
 
-def logsumexp_lastdim_backward(grad_output, input, lse, mask=None):
-    acc = lse.dtype
+def logsumexp_lastdim_backward(grad_output, input, stats, mask=None):
+    acc = stats.dtype
     x = input.to(acc)
-    dx = grad_output.to(acc).unsqueeze(-1) * torch.exp(x - lse.unsqueeze(-1))
+    softmax = torch.exp((x - stats[..., :1]) - stats[..., 1:])
+    dx = grad_output.to(acc).unsqueeze(-1) * softmax
     if mask is not None:
         dx = dx.masked_fill(~mask, 0.0)  # dropped entries (NaN included) get 0
-    return torch.where(_row_has_gradient(lse), dx, 0.0).to(input.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(input.dtype)

@@ -54,12 +54,27 @@ NF_HOST_DEVICE T log_softmax_value(T x, LseState<T> row, T log_sum) {
   return (x - row.max) - log_sum;
 }
 
-// Whether a row with this logsumexp passes any gradient: an empty row (-inf)
-// is an empty distribution and a row holding +inf is locally constant, so
-// both have gradient 0. A NaN row passes its NaN on.
+// The statistics a forward saves per row for the backward: the row's max and
+// log(sum(exp(x - max))). Kept apart rather than as one logsumexp, which can
+// overflow (a row of two finfo.max) while the row itself is finite.
 template <typename T>
-NF_HOST_DEVICE bool row_has_gradient(T lse) {
-  return !nf_isinf(lse);
+struct RowStats {
+  T max;
+  T log_sum;
+};
+
+template <typename T>
+NF_HOST_DEVICE RowStats<T> row_stats(LseState<T> state) {
+  return RowStats<T>{state.max, nf_log(state.sum)};
+}
+
+// Whether a row passes any gradient: an empty row (max -inf) is an empty
+// distribution and a row holding +inf (max +inf) is locally constant, so both
+// have gradient 0. A row holding NaN (NaN log_sum) passes its NaN on, also
+// when it holds +inf too.
+template <typename T>
+NF_HOST_DEVICE bool row_has_gradient(RowStats<T> stats) {
+  return !nf_isinf(stats.max) || nf_isnan(stats.log_sum);
 }
 
 // d softmax: y * (g - sum_j g_j y_j); `dot` is that sum over the row.
@@ -76,11 +91,11 @@ NF_HOST_DEVICE T log_softmax_grad_value(T g, T y, T grad_sum, bool keep) {
   return keep ? g - nf_exp(y) * grad_sum : T(0);
 }
 
-// d logsumexp: g * exp(x - lse), the softmax of x. A dropped entry (and an
-// unmasked -inf, through exp(-inf) = 0) receives 0.
+// d logsumexp: g * exp(x - max - log_sum), the softmax of x. A dropped entry
+// (and an unmasked -inf, through exp(-inf) = 0) receives 0.
 template <typename T>
-NF_HOST_DEVICE T logsumexp_grad_value(T g, T x, T lse, bool keep) {
-  return keep ? g * nf_exp(x - lse) : T(0);
+NF_HOST_DEVICE T logsumexp_grad_value(T g, T x, RowStats<T> stats, bool keep) {
+  return keep ? g * nf_exp((x - stats.max) - stats.log_sum) : T(0);
 }
 
 }  // namespace nanfree

@@ -1,0 +1,156 @@
+"""The special-value table of DESIGN.md section 2 for softmax, log_softmax and
+logsumexp, forward and backward, on the backend this session selects."""
+
+import math
+
+import pytest
+import torch
+from conftest import DTYPES
+from softmax_oracle import row_grad_oracle, row_oracle
+
+import nanfree.ops as nf
+
+INF = math.inf
+NAN = math.nan
+
+
+def _cases(dtype):
+    info = torch.finfo(dtype)
+    big, tiny = info.max, info.tiny
+    return {
+        # name: (row, keep mask or None)
+        "zeros": ([0.0, 0.0, 0.0, 0.0], None),
+        "signed zeros": ([-0.0, 0.0, -0.0], None),
+        "denormals": ([tiny / 4, -tiny / 4, 0.0], None),
+        "plus and minus max": ([big, -big, 0.0], None),
+        "two max": ([big, big], None),
+        "two minus max": ([-big, -big], None),
+        "two +inf": ([INF, 1.0, INF], None),
+        "one +inf": ([INF, -INF, 0.0], None),
+        "+inf and -inf only": ([-INF, INF], None),
+        "some -inf": ([-INF, 0.0, 1.0], None),
+        "all -inf": ([-INF, -INF, -INF, -INF], None),
+        "fully masked": ([1.0, 2.0, 3.0], [False, False, False]),
+        "masked NaN": ([NAN, 1.0, 2.0], [False, True, True]),
+        "masked +inf": ([INF, 1.0, 2.0], [False, True, True]),
+        "NaN": ([NAN, 1.0, 2.0], None),
+        "NaN and +inf": ([NAN, INF, 2.0], None),
+        "logits 1e4": ([1e4, -1e4, 0.0], None),
+        "logits 1000": ([1000.0, 999.0, -1000.0], None),
+        "length 1": ([5.0], None),
+        "length 1 -inf": ([-INF], None),
+    }
+
+
+TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+    torch.float32: dict(rtol=2e-6, atol=1e-6),
+    torch.float16: dict(rtol=2e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
+
+OPS = ["softmax", "log_softmax", "logsumexp"]
+CASE_NAMES = list(_cases(torch.float32))
+
+
+def _run(op, x, mask):
+    if op == "logsumexp":
+        return nf.logsumexp(x, -1, mask=mask)
+    return getattr(nf, op)(x, -1, mask=mask)
+
+
+def _batch(row, keep, dtype, device):
+    """The case row and a plain row below it, which the case must not disturb."""
+    plain = [0.5 - 0.25 * i for i in range(len(row))]
+    x = torch.tensor([row, plain], dtype=dtype, device=device)
+    mask = None
+    if keep is not None:
+        mask = torch.tensor([keep, [True] * len(row)], device=device)
+    return x, mask, plain
+
+
+def _rounded(values, dtype):
+    """The input as the tensor holds it (rounded to dtype), as Python floats."""
+    return torch.tensor(values, dtype=dtype).double().tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_forward_table(case, op, dtype, device):
+    row, keep = _cases(dtype)[case]
+    x, mask, plain = _batch(row, keep, dtype, device)
+    out = _run(op, x, mask)
+    expected_rows = []
+    for values, row_keep in ((row, keep), (plain, None)):
+        soft, log, lse = row_oracle(_rounded(values, dtype), row_keep)
+        expected_rows.append({"softmax": soft, "log_softmax": log, "logsumexp": lse}[op])
+    expected = torch.tensor(expected_rows, dtype=torch.float64).to(dtype)
+    assert out.dtype == dtype and out.device.type == device
+    torch.testing.assert_close(out.cpu(), expected, equal_nan=True, **TOL[dtype])
+    if not any(math.isnan(v) for v, k in zip(row, keep or [True] * len(row)) if k):
+        assert not torch.isnan(out).any(), f"NaN from non-NaN input in {case}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_backward_table(case, op, dtype, device):
+    row, keep = _cases(dtype)[case]
+    x, mask, plain = _batch(row, keep, dtype, device)
+    x.requires_grad_(True)
+    out = _run(op, x, mask)
+    if op == "logsumexp":
+        grad = torch.tensor([1.5, -0.5], dtype=dtype, device=device)
+    else:
+        grad = torch.tensor([[1.0 - 0.5 * i for i in range(len(row))]] * 2, dtype=dtype, device=device)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    rows_nan = [any(math.isnan(v) for v, k in zip(row, keep or [True] * len(row)) if k), False]
+    expected = []
+    for r, (values, row_keep) in enumerate(((row, keep), (plain, None))):
+        g = grad[r].item() if op == "logsumexp" else grad[r].double().tolist()
+        expected.append(row_grad_oracle(op, _rounded(values, dtype), row_keep, g))
+    expected = torch.tensor(expected, dtype=torch.float64)
+    for r in range(2):
+        if rows_nan[r]:
+            assert torch.isnan(dx[r]).all(), "a NaN input propagates to its own row's gradient"
+            continue
+        assert torch.isfinite(dx[r]).all(), f"non-finite gradient in {case}: {dx[r]}"
+        # The backward of a half-precision op starts from its rounded output.
+        tol = TOL[dtype] if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dx[r].cpu().double(), expected[r], **tol)
+    if keep is not None:
+        dropped = ~torch.tensor(keep, device=device)
+        assert (dx[0][dropped] == 0).all(), "a dropped entry's gradient is 0"
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_empty_dim(op, device):
+    x = torch.empty(3, 0, device=device)
+    assert getattr(nf, op)(x, -1).shape == (3, 0)
+    assert getattr(nf, op)(torch.empty(0, 5, device=device), 1).shape == (0, 5)
+
+
+def test_logsumexp_of_empty_dim_is_minus_inf(device):
+    x = torch.empty(3, 0, device=device, requires_grad=True)
+    out = nf.logsumexp(x, -1)
+    assert out.shape == (3,) and (out == -INF).all()
+    out.sum().backward()
+    assert x.grad.shape == (3, 0)
+
+
+def test_zero_dim_input(device):
+    x = torch.tensor(2.5, device=device)
+    assert nf.softmax(x, 0).item() == 1.0
+    assert nf.log_softmax(x, -1).item() == 0.0
+    assert nf.logsumexp(x, 0).item() == 2.5
+    assert nf.logsumexp(x, 0, keepdim=True).shape == ()
+
+
+def test_nan_stays_in_its_row(device):
+    x = torch.randn(6, 33, device=device)
+    x[2, 5] = NAN
+    for op in OPS:
+        out = _run(op, x, None)
+        nan_rows = torch.isnan(out).reshape(6, -1).any(dim=-1)
+        assert nan_rows.tolist() == [False, False, True, False, False, False]
