@@ -1,0 +1,88 @@
+"""float64 gradcheck, torch.library.opcheck and torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+from conftest import DEVICES, INTERPRETED
+from torch.library import opcheck
+
+import nanfree.ops as nf
+
+OPS = ["softmax", "log_softmax", "logsumexp"]
+
+
+def _inputs(device, shape=(3, 4, 5)):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
+    mask = (torch.rand(shape[0], 1, shape[-1], generator=gen) > 0.3).to(device)
+    mask[..., 0] = True
+    return x, mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradcheck(device, op, dim, masked):
+    x, mask = _inputs(device)
+    mask = mask if masked else None
+
+    def fn(inp):
+        out = getattr(nf, op)(inp, dim, mask=mask)
+        # Fully masked sets give -inf (log_softmax, logsumexp), whose finite
+        # differences are NaN: compare the finite part only.
+        return torch.where(torch.isinf(out), 0.0, out)
+
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_logsumexp_over_several_dims(device):
+    x, mask = _inputs(device)
+    assert torch.autograd.gradcheck(lambda v: nf.logsumexp(v, (0, 2), keepdim=True, mask=mask), (x,))
+
+
+def _op(name):
+    return getattr(torch.ops.nanfree, name).default
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_opcheck_forward_ops(device, dtype, masked):
+    x = torch.randn(4, 9, dtype=dtype, device=device, requires_grad=True)
+    mask = (torch.rand(4, 1, device=device) > 0.5).expand(4, 9) if masked else None
+    for name in ("softmax_lastdim", "log_softmax_lastdim", "logsumexp_lastdim"):
+        opcheck(_op(name), (x, mask))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_backward_ops(device):
+    x = torch.randn(4, 9, device=device)
+    mask = torch.rand(4, 9, device=device) > 0.3
+    out, stats = torch.ops.nanfree.softmax_lastdim(x, mask)
+    opcheck(_op("softmax_lastdim_backward"), (torch.randn_like(out), out, stats))
+    out, stats = torch.ops.nanfree.log_softmax_lastdim(x, mask)
+    opcheck(_op("log_softmax_lastdim_backward"), (torch.randn_like(out), out, stats, mask))
+    out, stats = torch.ops.nanfree.logsumexp_lastdim(x, mask)
+    opcheck(_op("logsumexp_lastdim_backward"), (torch.randn_like(out), x, stats, mask))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiling around interpreted Triton kernels adds nothing")
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    def loss(x, mask):
+        return (
+            nf.softmax(x, -1, mask=mask).pow(2).sum()
+            + nf.log_softmax(x, 1).sum()
+            + nf.logsumexp(x, -1, mask=mask).sum()
+        )
+
+    x = torch.randn(4, 6, 8, device=device, requires_grad=True)
+    mask = torch.rand(4, 1, 8, device=device) > 0.3
+    compiled = torch.compile(loss, fullgraph=True)
+    expected = loss(x, mask)
+    (expected_grad,) = torch.autograd.grad(expected, x)
+    got = compiled(x, mask)
+    (got_grad,) = torch.autograd.grad(got, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_grad, expected_grad)

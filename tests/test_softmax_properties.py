@@ -1,0 +1,118 @@
+"""Property tests: extreme inputs never give NaN or non-finite gradients, and
+where torch is finite nanfree's error is at most 2x torch's (DESIGN.md 1.4)."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES, DTYPES
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nanfree.ops as nf
+
+INF = math.inf
+
+
+def _extreme_values(dtype):
+    info = torch.finfo(dtype)
+    return [0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, INF, -INF,
+            1e4, -1e4, 1000.0, -1000.0, 1.0, -1.0, 30.0, -30.0]
+
+
+@st.composite
+def extreme_batches(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    rows = draw(st.integers(1, 4))
+    cols = draw(st.integers(1, 40))
+    pool = _extreme_values(dtype)
+    value = st.one_of(st.sampled_from(pool), st.floats(-50, 50, width=32))
+    data = draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
+    use_mask = draw(st.booleans())
+    keep = draw(st.lists(st.booleans(), min_size=rows * cols, max_size=rows * cols))
+    x = torch.tensor(data, dtype=torch.float64).reshape(rows, cols).to(dtype)
+    mask = torch.tensor(keep).reshape(rows, cols) if use_mask else None
+    return x, mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(batch=extreme_batches(), op=st.sampled_from(["softmax", "log_softmax", "logsumexp"]))
+def test_extreme_inputs_never_give_nan(device, batch, op):
+    x, mask = batch
+    x = x.to(device).requires_grad_(True)
+    mask = None if mask is None else mask.to(device)
+    fn = getattr(nf, op)
+    out = fn(x, -1, mask=mask)
+    assert not torch.isnan(out).any()
+    grad = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=device).reshape(out.shape)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    assert torch.isfinite(dx).all()
+
+
+def _errors(op, x, mask):
+    """(nanfree error, torch error) against a float64 reference, forward and input gradient."""
+    torch_fn = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+                "logsumexp": torch.logsumexp}[op]
+
+    def run(fn, inp):
+        inp = inp.detach().requires_grad_(True)
+        masked = inp if mask is None else inp.masked_fill(~mask, -INF)
+        out = fn(masked, -1)
+        g = torch.cos(torch.arange(out.numel(), device=out.device, dtype=torch.float64))
+        g = g.reshape(out.shape).to(out.dtype)
+        (dx,) = torch.autograd.grad(out, inp, g)
+        return out.double(), dx.double()
+
+    ref_out, ref_dx = run(torch_fn, x.double())
+    t_out, t_dx = run(torch_fn, x)
+    n_out, n_dx = run(lambda v, d: getattr(nf, op)(v, d), x)
+
+    def err(a, b):
+        finite = torch.isfinite(b)
+        return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+
+    return (err(n_out, ref_out), err(t_out, ref_out)), (err(n_dx, ref_dx), err(t_dx, ref_dx))
+
+
+def _ulp_floor(dtype, scale):
+    return torch.finfo(dtype).eps * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    op=st.sampled_from(["softmax", "log_softmax", "logsumexp"]),
+    scale=st.sampled_from([0.01, 1.0, 10.0, 100.0]),
+    cols=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+    masked=st.booleans(),
+)
+def test_error_at_most_twice_torch(device, dtype, op, scale, cols, seed, masked):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(3, cols, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+    mask = (torch.rand(3, cols, generator=gen) > 0.3).to(device) if masked else None
+    if mask is not None:
+        mask[:, 0] = True  # keep rows non-empty, where torch is finite
+    (n_out, t_out), (n_dx, t_dx) = _errors(op, x, mask)
+    magnitude = x.double().abs().max().item()
+    floor = _ulp_floor(dtype, magnitude)
+    assert n_out <= 2 * t_out + floor, f"forward error {n_out} vs torch {t_out}"
+    assert n_dx <= 2 * t_dx + floor, f"gradient error {n_dx} vs torch {t_dx}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "logsumexp"])
+def test_float32_matches_torch(device, op):
+    x = torch.randn(16, 1000, device=device) * 5
+    torch_fn = getattr(torch, op)
+    torch.testing.assert_close(getattr(nf, op)(x, -1), torch_fn(x, -1))
+    torch.testing.assert_close(getattr(nf, op)(x, 0), torch_fn(x, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_rows_match_torch(device):
+    # Rows longer than one kernel block/chunk exercise the online merge.
+    x = torch.randn(3, 20000, device=device) * 20
+    x[1, 12345] = 500.0
+    for op in ("softmax", "log_softmax", "logsumexp"):
+        torch.testing.assert_close(getattr(nf, op)(x, -1), getattr(torch, op)(x, -1))
