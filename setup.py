@@ -75,7 +75,9 @@ def _cpu_isa_flags():
         if platform.machine() in ("x86_64", "AMD64") and os.path.exists("/proc/cpuinfo"):
             with open("/proc/cpuinfo") as f:
                 flags = f.read()
-            if " avx2" in flags and " fma" in flags:
+            if all(f" {name}" in flags for name in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+                isa = "avx512"
+            elif " avx2" in flags and " fma" in flags:
                 isa = "avx2"
     if isa == "avx512":
         return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -30,6 +31,18 @@ constexpr int64_t kChunk = 1024;
 
 // Total work per parallel task, in elements.
 constexpr int64_t kGrainElements = 32768;
+
+// exp of a shifted (<= 0) argument: ATen's exp_u20 for float (about 20 ulp,
+// as PyTorch's own softmax kernels use; results below FLT_MIN flush to 0,
+// which a sum that is at least 1 cannot see) and the 1-ulp exp for double.
+template <typename acc_t>
+inline Vec<acc_t> shifted_exp(const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return v.exp_u20();
+  } else {
+    return v.exp();
+  }
+}
 
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1));
@@ -90,10 +103,10 @@ LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t* exps) {
   const Vec<acc_t> shift(m);
   acc_t sum;
   if (exps != nullptr) {
-    at::vec::map([&](Vec<acc_t> v) { return (v - shift).exp(); }, exps, x, n);
+    at::vec::map([&](Vec<acc_t> v) { return shifted_exp(v - shift); }, exps, x, n);
     sum = at::vec::reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, exps, n);
   } else {
-    sum = at::vec::map_reduce_all<acc_t>([&](Vec<acc_t> v) { return (v - shift).exp(); },
+    sum = at::vec::map_reduce_all<acc_t>([&](Vec<acc_t> v) { return shifted_exp(v - shift); },
                                          [](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, x, n);
   }
   return LseState<acc_t>{m, sum};
@@ -111,15 +124,29 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buffer(cols), exps(kind == Forward::Softmax ? cols : 0);
+    // Uninitialized scratch: every entry used is written first.
+    const bool needs_buffer = !std::is_same_v<scalar_t, acc_t> || mask.data != nullptr ||
+                              kind == Forward::LogSoftmax;
+    std::unique_ptr<acc_t[]> buffer(needs_buffer ? new acc_t[cols] : nullptr);
+    // float and double softmax rows write their exps straight into the output.
+    std::unique_ptr<acc_t[]> exp_buffer(
+        kind == Forward::Softmax && !std::is_same_v<scalar_t, acc_t> ? new acc_t[cols] : nullptr);
     std::vector<acc_t> chunk_maxima(chunks);
     for (int64_t r = begin; r < end; ++r) {
-      const acc_t* x = load_row(in + r * cols, cols, mask, r, buffer.data());
+      const acc_t* x = load_row(in + r * cols, cols, mask, r, buffer.get());
+      acc_t* exps = nullptr;
+      if constexpr (kind == Forward::Softmax) {
+        if constexpr (std::is_same_v<scalar_t, acc_t>) {
+          exps = out + r * cols;
+        } else {
+          exps = exp_buffer.get();
+        }
+      }
       LseState<acc_t> state = lse_empty<acc_t>();
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
         const LseState<acc_t> part =
-            chunk_state(x + start, n, kind == Forward::Softmax ? exps.data() + start : nullptr);
+            chunk_state(x + start, n, kind == Forward::Softmax ? exps + start : nullptr);
         chunk_maxima[c] = part.max;
         state = lse_merge(state, part);
       }
@@ -140,16 +167,16 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
             const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
             // A chunk of only -inf has exps 0 and a -inf max: lse_scale gives 0.
             const Vec<acc_t> factor(lse_scale(chunk_maxima[c], state.max) * inv_sum);
-            acc_t* e = exps.data() + start;
+            acc_t* e = exps + start;
             at::vec::map([&](Vec<acc_t> v) { return v * factor; }, e, e, n);
           }
         } else {
           for (int64_t j = 0; j < cols; ++j) exps[j] = softmax_value(x[j], state, inv_sum);
         }
-        store_row(exps.data(), y, cols);
+        store_row(exps, y, cols);
       } else {
         const acc_t log_sum = nf_log(state.sum);
-        acc_t* result = buffer.data();
+        acc_t* result = buffer.get();
         if (finite_row) {
           const Vec<acc_t> shift(state.max), log_sum_v(log_sum);
           // x - max - log_sum: an unmasked -inf stays -inf, as log_softmax_value.
@@ -212,6 +239,10 @@ const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) 
 
 enum class Backward { Softmax, LogSoftmax, LogSumExp };
 
+inline bool kept(const MaskView& mask, int64_t row, int64_t col) {
+  return mask.data == nullptr || mask.data[mask_row_offset(mask, row) + col * mask.col_stride];
+}
+
 template <Backward kind, typename scalar_t>
 void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
                      const MaskView& mask, at::Tensor& grad_input) {
@@ -235,15 +266,16 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::
       const acc_t* s = as_acc(s_all + r * cols, cols, s_buf);
       if constexpr (kind == Backward::LogSumExp) {
         const acc_t g = static_cast<acc_t>(g_all[r]);
-        if (mask.data == nullptr) {
+        // A NaN row takes the scalar path: exp_u20 clamps its argument and
+        // would turn NaN into a number.
+        if (mask.data == nullptr && !nf_isnan(row.log_sum)) {
           const Vec<acc_t> gv(g), max_v(row.max), log_sum_v(row.log_sum);
           // g * exp(x - max - log_sum), as logsumexp_grad_value with every entry kept.
-          at::vec::map([&](Vec<acc_t> x) { return gv * ((x - max_v) - log_sum_v).exp(); },
+          at::vec::map([&](Vec<acc_t> x) { return gv * shifted_exp((x - max_v) - log_sum_v); },
                        dx.data(), s, cols);
         } else {
-          const bool* keep = mask.data + mask_row_offset(mask, r);
           for (int64_t j = 0; j < cols; ++j)
-            dx[j] = logsumexp_grad_value(g, s[j], row, keep[j * mask.col_stride]);
+            dx[j] = logsumexp_grad_value(g, s[j], row, kept(mask, r, j));
         }
       } else {
         const acc_t* g = as_acc(g_all + r * cols, cols, g_buf);
@@ -254,15 +286,14 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::
                         cols);
         } else {
           const acc_t grad_sum = masked_sum(g, cols, mask, r);
-          if (mask.data == nullptr) {
+          if (mask.data == nullptr && !nf_isnan(row.log_sum)) {  // NaN rows: see above
             const Vec<acc_t> sum_v(grad_sum);
             // g - exp(y) * sum, as log_softmax_grad_value with every entry kept.
-            at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - y.exp() * sum_v; },
+            at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; },
                           dx.data(), g, s, cols);
           } else {
-            const bool* keep = mask.data + mask_row_offset(mask, r);
             for (int64_t j = 0; j < cols; ++j)
-              dx[j] = log_softmax_grad_value(g[j], s[j], grad_sum, keep[j * mask.col_stride]);
+              dx[j] = log_softmax_grad_value(g[j], s[j], grad_sum, kept(mask, r, j));
           }
         }
       }
