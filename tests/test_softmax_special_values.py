@@ -35,6 +35,7 @@ def _cases(dtype):
         "masked +inf": ([INF, 1.0, 2.0], [False, True, True]),
         "NaN": ([NAN, 1.0, 2.0], None),
         "NaN and +inf": ([NAN, INF, 2.0], None),
+        "NaN and -inf": ([NAN, -INF], None),
         "logits 1e4": ([1e4, -1e4, 0.0], None),
         "logits 1000": ([1000.0, 999.0, -1000.0], None),
         "length 1": ([5.0], None),

@@ -7,15 +7,13 @@ Signatures and results are those of the ``nanfree::*_lastdim`` ops.
 
 import torch
 
+from .._softmax_checks import acc_dtype, check_backward, check_float, check_mask
+
 INF = float("inf")
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _masked(input: torch.Tensor, mask) -> torch.Tensor:
-    x = input.to(_acc_dtype(input.dtype))
+    x = input.to(acc_dtype(input.dtype))
     # masked_value: a dropped entry is exactly -inf, whatever it held.
     return x if mask is None else x.masked_fill(~mask, -INF)
 
@@ -33,7 +31,12 @@ def lse_state(x: torch.Tensor):
     return row_max.squeeze(-1), exps.sum(dim=-1), exps
 
 
-def _forward_state(input, mask):
+def _forward_state(input, mask, op):
+    check_float(op, "input", input)
+    check_mask(op, input, mask)
+    if input.dim() == 0:  # one row of one entry, as the compiled kernels
+        input = input.reshape(1)
+        mask = None if mask is None else mask.reshape(1)
     x = _masked(input, mask)
     row_max, row_sum, exps = lse_state(x)
     log_sum = torch.log(row_sum)
@@ -43,23 +46,26 @@ def _forward_state(input, mask):
 
 
 def softmax_lastdim(input, mask=None):
-    _, row_max, row_sum, exps, stats = _forward_state(input, mask)
-    # softmax_value: an empty row is all 0 rather than 0/0.
-    out = torch.where((row_max == -INF).unsqueeze(-1), 0.0, exps / row_sum.unsqueeze(-1))
-    return out.to(input.dtype), stats
+    _, row_max, row_sum, exps, stats = _forward_state(input, mask, "softmax")
+    # softmax_value: an empty row is all 0 rather than 0/0 (a NaN sum stays NaN).
+    empty = (row_max == -INF) & ~torch.isnan(row_sum)
+    out = torch.where(empty.unsqueeze(-1), 0.0, exps / row_sum.unsqueeze(-1))
+    return out.to(input.dtype).contiguous().reshape(input.shape), stats
 
 
 def log_softmax_lastdim(input, mask=None):
-    x, row_max, _, _, stats = _forward_state(input, mask)
+    x, row_max, _, _, stats = _forward_state(input, mask, "log_softmax")
     log_sum = stats[..., 1:]
     m = row_max.unsqueeze(-1)
-    # log_softmax_value: -inf for an empty row; -log k on the +inf entries.
-    out = torch.where(m == -INF, -INF, torch.where(x == m, -log_sum, (x - m) - log_sum))
-    return out.to(input.dtype), stats
+    # log_softmax_value: -inf for an empty row (a NaN sum stays NaN); -log k on
+    # the +inf entries.
+    empty = (m == -INF) & ~torch.isnan(log_sum)
+    out = torch.where(empty, -INF, torch.where(x == m, -log_sum, (x - m) - log_sum))
+    return out.to(input.dtype).contiguous().reshape(input.shape), stats
 
 
 def logsumexp_lastdim(input, mask=None):
-    *_, stats = _forward_state(input, mask)
+    *_, stats = _forward_state(input, mask, "logsumexp")
     # lse_value: max + log(sum) is -inf for an empty row, +inf with a +inf entry.
     return (stats[..., 0] + stats[..., 1]).to(input.dtype), stats
 
@@ -71,27 +77,30 @@ def _row_has_gradient(stats):
 
 
 def softmax_lastdim_backward(grad_output, output, stats):
+    check_backward("softmax_backward", grad_output, output, stats, None, output.shape)
     acc = stats.dtype
     g, y = grad_output.to(acc), output.to(acc)
     dx = y * (g - (g * y).sum(dim=-1, keepdim=True))
-    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype).contiguous()
 
 
 def log_softmax_lastdim_backward(grad_output, output, stats, mask=None):
+    check_backward("log_softmax_backward", grad_output, output, stats, mask, output.shape)
     acc = stats.dtype
     g, y = grad_output.to(acc), output.to(acc)
     kept = g if mask is None else g.masked_fill(~mask, 0.0)
     dx = g - torch.exp(y) * kept.sum(dim=-1, keepdim=True)
     if mask is not None:
         dx = dx.masked_fill(~mask, 0.0)  # a dropped entry's output is constant
-    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(output.dtype).contiguous()
 
 
 def logsumexp_lastdim_backward(grad_output, input, stats, mask=None):
+    check_backward("logsumexp_backward", grad_output, input, stats, mask, input.shape[:-1])
     acc = stats.dtype
     x = input.to(acc)
     softmax = torch.exp((x - stats[..., :1]) - stats[..., 1:])
     dx = grad_output.to(acc).unsqueeze(-1) * softmax
     if mask is not None:
         dx = dx.masked_fill(~mask, 0.0)  # dropped entries (NaN included) get 0
-    return torch.where(_row_has_gradient(stats), dx, 0.0).to(input.dtype)
+    return torch.where(_row_has_gradient(stats), dx, 0.0).to(input.dtype).contiguous()

@@ -36,8 +36,9 @@ NF_HOST_DEVICE T masked_value(T x, bool keep) {
 // Softmax of one entry given its row's state and inv_sum = 1 / state.sum.
 template <typename T>
 NF_HOST_DEVICE T softmax_value(T x, LseState<T> row, T inv_sum) {
-  // An empty row (all -inf or all masked) is the empty distribution: 0, not 0/0.
-  if (row.max == -nf_inf<T>()) return T(0);
+  // An empty row (all -inf or all masked) is the empty distribution: 0, not
+  // 0/0. A row of NaN and -inf also has max -inf, but its NaN sum passes on.
+  if (row.max == -nf_inf<T>() && !nf_isnan(row.sum)) return T(0);
   // lse_scale gives 1 for x == max, so a row with k entries +inf gives 1/k
   // there and exp(-inf) = 0 elsewhere.
   return lse_scale(x, row.max) * inv_sum;
@@ -46,8 +47,9 @@ NF_HOST_DEVICE T softmax_value(T x, LseState<T> row, T inv_sum) {
 // log_softmax of one entry given log_sum = log(state.sum).
 template <typename T>
 NF_HOST_DEVICE T log_softmax_value(T x, LseState<T> row, T log_sum) {
-  // An empty row has log-probability -inf everywhere instead of -inf - (-inf).
-  if (row.max == -nf_inf<T>()) return -nf_inf<T>();
+  // An empty row has log-probability -inf everywhere instead of -inf - (-inf)
+  // (a row of NaN and -inf has a NaN sum and stays NaN).
+  if (row.max == -nf_inf<T>() && !nf_isnan(row.sum)) return -nf_inf<T>();
   // x == max also covers +inf entries of a +inf row, where x - max is NaN:
   // the limit is -log k.
   if (x == row.max) return -log_sum;
