@@ -97,6 +97,8 @@ def _cuda_extension():
         problem = "this torch build has no CUDA"
     elif _cuda_home is None:
         problem = "nvcc (a CUDA toolkit) was not found"
+    if problem is None and not glob.glob("csrc/cuda/*.cu"):
+        problem = "there are no CUDA kernel sources"
     if problem:
         if _cuda_mode == "1":
             raise SystemExit(f"NANFREE_CUDA=1 but {problem}")
