@@ -1,5 +1,7 @@
 // ATen-side helpers shared by the CPU and CUDA registrations of the softmax
-// family: argument checks, the [rows, cols] view and the mask layout.
+// family: argument checks, output allocation, the [rows, cols] view and the
+// mask layout. Each binding calls prepare_forward / prepare_backward and then
+// only launches its kernels.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -96,6 +98,71 @@ inline std::vector<int64_t> stats_shape(const at::Tensor& input) {
   std::vector<int64_t> shape = row_shape(input);
   shape.push_back(2);
   return shape;
+}
+
+// A forward's operands after the checks: the input made contiguous, the
+// outputs allocated, the mask described as a MaskView. `mask_storage` keeps a
+// materialized mask alive for as long as `mask` points into it.
+struct ForwardArgs {
+  at::Tensor input;
+  at::Tensor output;  // the input's shape; the row shape for logsumexp
+  at::Tensor stats;   // per-row (max, log_sum), in the accumulation dtype
+  at::Tensor mask_storage;
+  MaskView mask;
+  RowsCols shape;
+};
+
+inline ForwardArgs prepare_forward(const char* op, SoftmaxKind kind, const at::Tensor& input,
+                                   const std::optional<at::Tensor>& mask) {
+  check_float_input(op, "input", input);
+  if (mask.has_value()) check_mask(op, input, *mask);
+  ForwardArgs args;
+  args.input = input.contiguous();
+  args.stats = at::empty(stats_shape(input), input.options().dtype(acc_dtype(input.scalar_type())));
+  args.output = kind == SoftmaxKind::LogSumExp ? at::empty(row_shape(input), input.options())
+                                               : at::empty(input.sizes(), input.options());
+  args.mask = make_mask_view(mask, args.mask_storage);
+  args.shape = rows_cols(args.input);
+  return args;
+}
+
+// A backward's operands after the checks, contiguous, with grad_input allocated.
+// `saved` is the forward's output (softmax, log_softmax) or input (logsumexp).
+struct BackwardArgs {
+  at::Tensor grad;
+  at::Tensor saved;
+  at::Tensor stats;
+  at::Tensor grad_input;
+  at::Tensor mask_storage;
+  MaskView mask;
+  RowsCols shape;
+};
+
+inline BackwardArgs prepare_backward(const char* op, SoftmaxKind kind, const at::Tensor& grad,
+                                     const at::Tensor& saved, const at::Tensor& stats,
+                                     const std::optional<at::Tensor>& mask) {
+  check_float_input(op, "grad_output", grad);
+  check_float_input(op, "saved", saved);
+  TORCH_CHECK(grad.scalar_type() == saved.scalar_type(), "nanfree.", op, ": `grad_output` dtype ",
+              grad.scalar_type(), " differs from the saved tensor's ", saved.scalar_type());
+  const auto expected_grad =
+      kind == SoftmaxKind::LogSumExp ? row_shape(saved) : saved.sizes().vec();
+  TORCH_CHECK(grad.sizes().vec() == expected_grad, "nanfree.", op, ": `grad_output` has shape ",
+              grad.sizes(), ", expected ", at::IntArrayRef(expected_grad));
+  TORCH_CHECK(stats.sizes().vec() == stats_shape(saved) &&
+                  stats.scalar_type() == acc_dtype(saved.scalar_type()),
+              "nanfree.", op, ": `stats` must be the forward's saved row statistics");
+  check_same_device(op, "grad_output", saved, grad);
+  check_same_device(op, "stats", saved, stats);
+  if (mask.has_value()) check_mask(op, saved, *mask);
+  BackwardArgs args;
+  args.grad = grad.contiguous();
+  args.saved = saved.contiguous();
+  args.stats = stats.contiguous();
+  args.grad_input = at::empty(saved.sizes(), saved.options());
+  args.mask = make_mask_view(mask, args.mask_storage);
+  args.shape = rows_cols(args.saved);
+  return args;
 }
 
 }  // namespace nanfree

@@ -1,7 +1,8 @@
 // CPU kernels of the softmax family (last dimension), built on the shared
 // numerics in csrc/include/nanfree. Rows run in parallel; inside a row the
-// finite fast path is vectorized with at::vec and every special value (empty,
-// +inf and NaN rows, masked entries) goes through the shared scalar functions.
+// finite fast path is vectorized with at::vec, masks are applied as selects
+// the compiler vectorizes, and the rows holding a special value (+inf, NaN,
+// or nothing but -inf) go through the shared scalar functions.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -23,8 +25,6 @@ namespace {
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
-enum class Forward { Softmax, LogSoftmax, LogSumExp };
-
 // Rows of a chunk are summarized with one vectorized max and one vectorized
 // exp-sum, then merged into the row's online state with lse_merge.
 constexpr int64_t kChunk = 1024;
@@ -32,9 +32,14 @@ constexpr int64_t kChunk = 1024;
 // Total work per parallel task, in elements.
 constexpr int64_t kGrainElements = 32768;
 
+inline int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1));
+}
+
 // exp of a shifted (<= 0) argument: ATen's exp_u20 for float (about 20 ulp,
 // as PyTorch's own softmax kernels use; results below FLT_MIN flush to 0,
 // which a sum that is at least 1 cannot see) and the 1-ulp exp for double.
+// exp_u20 clamps its argument, so a NaN argument must never reach it.
 template <typename acc_t>
 inline Vec<acc_t> shifted_exp(const Vec<acc_t>& v) {
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -44,27 +49,33 @@ inline Vec<acc_t> shifted_exp(const Vec<acc_t>& v) {
   }
 }
 
-inline int64_t row_grain(int64_t cols) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1));
+template <typename acc_t>
+acc_t vec_sum(const acc_t* a, int64_t n) {
+  return at::vec::reduce_all<acc_t>([](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, n);
 }
 
-// Reads a row into an accumulation-type buffer: a plain view for float/double
-// without a mask, else converted and with dropped entries set to -inf.
+template <typename acc_t>
+acc_t vec_dot(const acc_t* a, const acc_t* b, int64_t n) {
+  return at::vec::map2_reduce_all<acc_t>([](Vec<acc_t> x, Vec<acc_t> y) { return x * y; },
+                                         [](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, b, n);
+}
+
+// A per-task row of scratch in the accumulation type, left uninitialized:
+// every entry used is written first. Null when not needed.
+template <typename acc_t>
+std::unique_ptr<acc_t[]> scratch_row(int64_t n, bool needed) {
+  return std::unique_ptr<acc_t[]>(needed ? new acc_t[n] : nullptr);
+}
+
+// Where a row's result in the accumulation type goes: straight into the
+// output when the types agree, else into `buffer` (then store_row converts).
 template <typename scalar_t, typename acc_t>
-const acc_t* load_row(const scalar_t* src, int64_t n, const MaskView& mask, int64_t row,
-                      acc_t* buffer) {
+acc_t* acc_destination(scalar_t* dst, acc_t* buffer) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (mask.data == nullptr) return src;
-    std::copy(src, src + n, buffer);
+    return dst;
   } else {
-    at::vec::convert(src, buffer, n);
+    return buffer;
   }
-  if (mask.data != nullptr) {
-    const bool* keep = mask.data + mask_row_offset(mask, row);
-    const int64_t stride = mask.col_stride;
-    for (int64_t j = 0; j < n; ++j) buffer[j] = masked_value(buffer[j], keep[j * stride]);
-  }
-  return buffer;
 }
 
 template <typename scalar_t, typename acc_t>
@@ -76,11 +87,100 @@ void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
   }
 }
 
+// A row of the source in the accumulation type: the row itself for float and
+// double, else converted into `buffer`.
+template <typename scalar_t, typename acc_t>
+const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    at::vec::convert(src, buffer, n);
+    return buffer;
+  }
+}
+
+// One row of a mask: entry j is kept when data[j * stride]; no data means
+// every entry is kept. The row offset is computed once per row.
+struct MaskRow {
+  const bool* data;
+  int64_t stride;
+  bool keep(int64_t j) const { return data == nullptr || data[j * stride]; }
+};
+
+inline MaskRow mask_row(const MaskView& mask, int64_t row) {
+  if (mask.data == nullptr) return MaskRow{nullptr, 0};
+  return MaskRow{mask.data + mask_row_offset(mask, row), mask.col_stride};
+}
+
+// dst[j] = src[j] where the row's mask keeps entry j, else `dropped` (src may
+// be dst). Plain selects over the mask's bytes, which the compiler vectorizes
+// for the usual unit column stride (it does not vectorize loads of bool).
+// Requires a mask.
+template <typename acc_t>
+void select_kept(const acc_t* src, acc_t* dst, MaskRow mask, int64_t n, acc_t dropped) {
+  const auto* keep = reinterpret_cast<const uint8_t*>(mask.data);
+  if (mask.stride == 1) {
+    if (src == dst) {
+      for (int64_t j = 0; j < n; ++j) {
+        const acc_t v = dst[j];
+        dst[j] = keep[j] != 0 ? v : dropped;
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const acc_t v = src[j];
+        dst[j] = keep[j] != 0 ? v : dropped;
+      }
+    }
+  } else if (mask.stride == 0) {  // one flag for the whole row
+    if (keep[0] == 0) {
+      std::fill(dst, dst + n, dropped);
+    } else if (src != dst) {
+      std::copy(src, src + n, dst);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = keep[j * mask.stride] != 0 ? src[j] : dropped;
+  }
+}
+
+// Reads a row in the accumulation type: a plain view for float/double without
+// a mask, else converted and masked into `buffer`.
+template <typename scalar_t, typename acc_t>
+const acc_t* load_row(const scalar_t* src, int64_t n, MaskRow mask, acc_t* buffer) {
+  const acc_t* row = as_acc(src, n, buffer);
+  if (mask.data == nullptr) return row;
+  // As masked_value: a dropped entry is exactly -inf, whatever it held (NaN included).
+  select_kept(row, buffer, mask, n, -nf_inf<acc_t>());
+  return buffer;
+}
+
 // Largest value of x[0..n), NaN if any value is NaN.
 template <typename acc_t>
 acc_t chunk_max(const acc_t* x, int64_t n) {
   return at::vec::reduce_all<acc_t>(
       [](Vec<acc_t>& a, Vec<acc_t>& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+// sum(exp(x - max)) over x[0..n) for a finite max, also writing each
+// exp(x - max) to exps[0..n) in the same pass.
+template <typename acc_t>
+acc_t store_shifted_exps(const acc_t* x, acc_t max, acc_t* exps, int64_t n) {
+  using V = Vec<acc_t>;
+  const V shift(max);
+  V sum(acc_t(0));
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V e = shifted_exp(V::loadu(x + j) - shift);
+    e.store(exps + j);
+    sum = sum + e;
+  }
+  if (j < n) {
+    const int64_t tail = n - j;
+    // Lanes past the row hold 0 after loadu; keep them out of the sum.
+    const V e = V::set(V(acc_t(0)), shifted_exp(V::loadu(x + j, tail) - shift), tail);
+    e.store(exps + j, tail);
+    sum = sum + e;
+  }
+  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, sum);
 }
 
 // The logsumexp state of x[0..n). When `exps` is given, it receives
@@ -100,59 +200,48 @@ LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t* exps) {
     for (int64_t j = 0; j < n; ++j) lse_update(state, x[j]);
     return state;
   }
+  if (exps != nullptr) return LseState<acc_t>{m, store_shifted_exps(x, m, exps, n)};
   const Vec<acc_t> shift(m);
-  acc_t sum;
-  if (exps != nullptr) {
-    at::vec::map([&](Vec<acc_t> v) { return shifted_exp(v - shift); }, exps, x, n);
-    sum = at::vec::reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, exps, n);
-  } else {
-    sum = at::vec::map_reduce_all<acc_t>([&](Vec<acc_t> v) { return shifted_exp(v - shift); },
-                                         [](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, x, n);
-  }
+  const acc_t sum = at::vec::map_reduce_all<acc_t>(
+      [&](Vec<acc_t> v) { return shifted_exp(v - shift); },
+      [](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, x, n);
   return LseState<acc_t>{m, sum};
 }
 
-template <Forward kind, typename scalar_t>
-void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& output,
-                    at::Tensor& stats) {
+template <SoftmaxKind kind, typename scalar_t>
+void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
-  const RowsCols shape = rows_cols(input);
-  const int64_t rows = shape.rows, cols = shape.cols;
-  const scalar_t* in = input.const_data_ptr<scalar_t>();
-  scalar_t* out = output.mutable_data_ptr<scalar_t>();
-  acc_t* stats_out = stats.mutable_data_ptr<acc_t>();
+  constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
+  const int64_t rows = args.shape.rows, cols = args.shape.cols;
+  const MaskView mask = args.mask;
+  const scalar_t* in = args.input.const_data_ptr<scalar_t>();
+  scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
+  acc_t* stats_out = args.stats.mutable_data_ptr<acc_t>();
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    // Uninitialized scratch: every entry used is written first.
-    const bool needs_buffer = !std::is_same_v<scalar_t, acc_t> || mask.data != nullptr ||
-                              kind == Forward::LogSoftmax;
-    std::unique_ptr<acc_t[]> buffer(needs_buffer ? new acc_t[cols] : nullptr);
-    // float and double softmax rows write their exps straight into the output.
-    std::unique_ptr<acc_t[]> exp_buffer(
-        kind == Forward::Softmax && !std::is_same_v<scalar_t, acc_t> ? new acc_t[cols] : nullptr);
+    // The converted or masked row; log_softmax of half types also writes its result there.
+    auto buffer = scratch_row<acc_t>(cols, !same_type || mask.data != nullptr);
+    // Softmax exps of half types (float and double write them into the output).
+    auto exp_buffer = scratch_row<acc_t>(cols, kind == SoftmaxKind::Softmax && !same_type);
     std::vector<acc_t> chunk_maxima(chunks);
     for (int64_t r = begin; r < end; ++r) {
-      const acc_t* x = load_row(in + r * cols, cols, mask, r, buffer.get());
-      acc_t* exps = nullptr;
-      if constexpr (kind == Forward::Softmax) {
-        if constexpr (std::is_same_v<scalar_t, acc_t>) {
-          exps = out + r * cols;
-        } else {
-          exps = exp_buffer.get();
-        }
-      }
+      const acc_t* x = load_row(in + r * cols, cols, mask_row(mask, r), buffer.get());
+      acc_t* exps = kind == SoftmaxKind::Softmax
+                        ? acc_destination(out + r * cols, exp_buffer.get())
+                        : nullptr;
       LseState<acc_t> state = lse_empty<acc_t>();
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
         const LseState<acc_t> part =
-            chunk_state(x + start, n, kind == Forward::Softmax ? exps + start : nullptr);
+            chunk_state(x + start, n, exps == nullptr ? nullptr : exps + start);
         chunk_maxima[c] = part.max;
-        state = lse_merge(state, part);
+        state = c == 0 ? part : lse_merge(state, part);
       }
+      const acc_t log_sum = nf_log(state.sum);
       stats_out[2 * r] = state.max;
-      stats_out[2 * r + 1] = nf_log(state.sum);
-      if constexpr (kind == Forward::LogSumExp) {
+      stats_out[2 * r + 1] = log_sum;
+      if constexpr (kind == SoftmaxKind::LogSumExp) {
         out[r] = static_cast<scalar_t>(lse_value(state));
         continue;
       }
@@ -160,7 +249,7 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
       // The vectorized output path is for rows with a finite max and sum; the
       // empty, +inf and NaN rows take the shared per-entry rules.
       const bool finite_row = !nf_isinf(state.max) && !nf_isnan(state.sum);
-      if constexpr (kind == Forward::Softmax) {
+      if constexpr (kind == SoftmaxKind::Softmax) {
         const acc_t inv_sum = acc_t(1) / state.sum;
         if (finite_row) {
           for (int64_t c = 0; c < chunks; ++c) {
@@ -175,11 +264,11 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
         }
         store_row(exps, y, cols);
       } else {
-        const acc_t log_sum = nf_log(state.sum);
-        acc_t* result = buffer.get();
+        // In place over the row buffer for half types (x may be that buffer).
+        acc_t* result = acc_destination(y, buffer.get());
         if (finite_row) {
           const Vec<acc_t> shift(state.max), log_sum_v(log_sum);
-          // x - max - log_sum: an unmasked -inf stays -inf, as log_softmax_value.
+          // x - max - log_sum: a -inf entry (dropped or not) stays -inf, as log_softmax_value.
           at::vec::map([&](Vec<acc_t> v) { return (v - shift) - log_sum_v; }, result, x, cols);
         } else {
           for (int64_t j = 0; j < cols; ++j) result[j] = log_softmax_value(x[j], state, log_sum);
@@ -190,72 +279,35 @@ void forward_kernel(const at::Tensor& input, const MaskView& mask, at::Tensor& o
   });
 }
 
-template <Forward kind>
-std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& input_,
+template <SoftmaxKind kind>
+std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& input,
                                            const std::optional<at::Tensor>& mask) {
-  check_float_input(op, "input", input_);
-  if (mask.has_value()) check_mask(op, input_, *mask);
-  const at::Tensor input = input_.contiguous();
-  at::Tensor stats =
-      at::empty(stats_shape(input), input.options().dtype(acc_dtype(input.scalar_type())));
-  at::Tensor output = kind == Forward::LogSumExp ? at::empty(row_shape(input), input.options())
-                                                 : at::empty(input.sizes(), input.options());
-  at::Tensor mask_storage;
-  const MaskView view = make_mask_view(mask, mask_storage);
-  if (stats.numel() == 0) return {output, stats};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "nanfree_softmax_forward", [&] {
-    forward_kernel<kind, scalar_t>(input, view, output, stats);
+  const ForwardArgs args = prepare_forward(op, kind, input, mask);
+  if (args.stats.numel() == 0) return {args.output, args.stats};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
+                                  "nanfree_softmax_forward", [&] {
+    forward_kernel<kind, scalar_t>(args);
   });
-  return {output, stats};
+  return {args.output, args.stats};
 }
 
-template <typename acc_t>
-acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
-  return at::vec::map2_reduce_all<acc_t>([](Vec<acc_t> x, Vec<acc_t> y) { return x * y; },
-                                         [](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, b, n);
-}
-
-template <typename acc_t>
-acc_t masked_sum(const acc_t* a, int64_t n, const MaskView& mask, int64_t row) {
-  if (mask.data == nullptr) {
-    return at::vec::reduce_all<acc_t>([](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, n);
-  }
-  const bool* keep = mask.data + mask_row_offset(mask, row);
-  acc_t sum = 0;
-  for (int64_t j = 0; j < n; ++j) sum += keep[j * mask.col_stride] ? a[j] : acc_t(0);
-  return sum;
-}
-
-// Converted views of one row of each operand, reusing per-task buffers.
-template <typename scalar_t, typename acc_t>
-const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return src;
-  } else {
-    at::vec::convert(src, buffer.data(), n);
-    return buffer.data();
-  }
-}
-
-enum class Backward { Softmax, LogSoftmax, LogSumExp };
-
-inline bool kept(const MaskView& mask, int64_t row, int64_t col) {
-  return mask.data == nullptr || mask.data[mask_row_offset(mask, row) + col * mask.col_stride];
-}
-
-template <Backward kind, typename scalar_t>
-void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
-                     const MaskView& mask, at::Tensor& grad_input) {
+template <SoftmaxKind kind, typename scalar_t>
+void backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
-  const RowsCols shape = rows_cols(saved);
-  const int64_t rows = shape.rows, cols = shape.cols;
-  const scalar_t* g_all = grad.const_data_ptr<scalar_t>();
-  const scalar_t* s_all = saved.const_data_ptr<scalar_t>();
-  const acc_t* stats_all = stats.const_data_ptr<acc_t>();
-  scalar_t* dx_all = grad_input.mutable_data_ptr<scalar_t>();
+  constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
+  const int64_t rows = args.shape.rows, cols = args.shape.cols;
+  const MaskView mask = args.mask;
+  const scalar_t* g_all = args.grad.const_data_ptr<scalar_t>();
+  const scalar_t* s_all = args.saved.const_data_ptr<scalar_t>();
+  const acc_t* stats_all = args.stats.const_data_ptr<acc_t>();
+  scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> g_buf(cols), s_buf(cols), dx(cols);
+    auto g_buf = scratch_row<acc_t>(cols, !same_type && kind != SoftmaxKind::LogSumExp);
+    auto s_buf = scratch_row<acc_t>(cols, !same_type);
+    auto dx_buf = scratch_row<acc_t>(cols, !same_type);
+    // The gradient with dropped entries zeroed, for the masked log_softmax sum.
+    auto kept_g = scratch_row<acc_t>(cols, kind == SoftmaxKind::LogSoftmax && mask.data != nullptr);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* dx_row = dx_all + r * cols;
       const RowStats<acc_t> row{stats_all[2 * r], stats_all[2 * r + 1]};
@@ -263,100 +315,93 @@ void backward_kernel(const at::Tensor& grad, const at::Tensor& saved, const at::
         std::fill(dx_row, dx_row + cols, scalar_t(0));
         continue;
       }
-      const acc_t* s = as_acc(s_all + r * cols, cols, s_buf);
-      if constexpr (kind == Backward::LogSumExp) {
+      const MaskRow keep = mask_row(mask, r);
+      const acc_t* s = as_acc(s_all + r * cols, cols, s_buf.get());
+      acc_t* dx = acc_destination(dx_row, dx_buf.get());
+      // A NaN row (NaN log_sum) takes the shared scalar rules: exp_u20 would
+      // turn its NaN into a number. Rows reaching the vector paths below hold
+      // a finite max, so each kept entry is finite or -inf.
+      const bool nan_row = nf_isnan(row.log_sum);
+      if constexpr (kind == SoftmaxKind::LogSumExp) {
         const acc_t g = static_cast<acc_t>(g_all[r]);
-        // A NaN row takes the scalar path: exp_u20 clamps its argument and
-        // would turn NaN into a number.
-        if (mask.data == nullptr && !nf_isnan(row.log_sum)) {
+        if (nan_row) {
+          for (int64_t j = 0; j < cols; ++j) dx[j] = logsumexp_grad_value(g, s[j], row, keep.keep(j));
+        } else {
           const Vec<acc_t> gv(g), max_v(row.max), log_sum_v(row.log_sum);
-          // g * exp(x - max - log_sum), as logsumexp_grad_value with every entry kept.
+          // g * exp(x - max - log_sum), as logsumexp_grad_value.
           at::vec::map([&](Vec<acc_t> x) { return gv * shifted_exp((x - max_v) - log_sum_v); },
-                       dx.data(), s, cols);
-        } else {
-          for (int64_t j = 0; j < cols; ++j)
-            dx[j] = logsumexp_grad_value(g, s[j], row, kept(mask, r, j));
+                       dx, s, cols);
+          // As logsumexp_grad_value: a dropped entry receives 0, whatever it held.
+          if (keep.data != nullptr) select_kept(dx, dx, keep, cols, acc_t(0));
         }
+      } else if constexpr (kind == SoftmaxKind::Softmax) {
+        const acc_t* g = as_acc(g_all + r * cols, cols, g_buf.get());
+        const Vec<acc_t> d(vec_dot(g, s, cols));
+        // y * (g - dot), as softmax_grad_value; dropped entries have y = 0.
+        at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return y * (gv - d); }, dx, g, s, cols);
       } else {
-        const acc_t* g = as_acc(g_all + r * cols, cols, g_buf);
-        if constexpr (kind == Backward::Softmax) {
-          const Vec<acc_t> d(dot(g, s, cols));
-          // y * (g - dot), as softmax_grad_value; dropped entries have y = 0.
-          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return y * (gv - d); }, dx.data(), g, s,
-                        cols);
+        const acc_t* g = as_acc(g_all + r * cols, cols, g_buf.get());
+        acc_t grad_sum;
+        if (keep.data == nullptr) {
+          grad_sum = vec_sum(g, cols);
         } else {
-          const acc_t grad_sum = masked_sum(g, cols, mask, r);
-          if (mask.data == nullptr && !nf_isnan(row.log_sum)) {  // NaN rows: see above
-            const Vec<acc_t> sum_v(grad_sum);
-            // g - exp(y) * sum, as log_softmax_grad_value with every entry kept.
-            at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; },
-                          dx.data(), g, s, cols);
-          } else {
-            for (int64_t j = 0; j < cols; ++j)
-              dx[j] = log_softmax_grad_value(g[j], s[j], grad_sum, kept(mask, r, j));
-          }
+          select_kept(g, kept_g.get(), keep, cols, acc_t(0));  // dropped entries add nothing
+          grad_sum = vec_sum(kept_g.get(), cols);
+        }
+        if (nan_row) {
+          for (int64_t j = 0; j < cols; ++j)
+            dx[j] = log_softmax_grad_value(g[j], s[j], grad_sum, keep.keep(j));
+        } else {
+          const Vec<acc_t> sum_v(grad_sum);
+          // g - exp(y) * sum, as log_softmax_grad_value.
+          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; },
+                        dx, g, s, cols);
+          // As log_softmax_grad_value: a dropped entry receives 0.
+          if (keep.data != nullptr) select_kept(dx, dx, keep, cols, acc_t(0));
         }
       }
-      store_row(dx.data(), dx_row, cols);
+      store_row(dx, dx_row, cols);
     }
   });
 }
 
-template <Backward kind>
-at::Tensor backward(const char* op, const at::Tensor& grad_, const at::Tensor& saved_,
-                    const at::Tensor& stats_, const std::optional<at::Tensor>& mask) {
-  check_float_input(op, "grad_output", grad_);
-  check_float_input(op, "saved", saved_);
-  TORCH_CHECK(grad_.scalar_type() == saved_.scalar_type(), "nanfree.", op,
-              ": `grad_output` dtype ", grad_.scalar_type(), " differs from the saved tensor's ",
-              saved_.scalar_type());
-  const auto expected_grad = kind == Backward::LogSumExp ? row_shape(saved_)
-                                                         : saved_.sizes().vec();
-  TORCH_CHECK(grad_.sizes().vec() == expected_grad, "nanfree.", op, ": `grad_output` has shape ",
-              grad_.sizes(), ", expected ", at::IntArrayRef(expected_grad));
-  TORCH_CHECK(stats_.sizes().vec() == stats_shape(saved_) &&
-                  stats_.scalar_type() == acc_dtype(saved_.scalar_type()),
-              "nanfree.", op, ": `stats` must be the forward's saved row statistics");
-  check_same_device(op, "grad_output", saved_, grad_);
-  check_same_device(op, "stats", saved_, stats_);
-  if (mask.has_value()) check_mask(op, saved_, *mask);
-  const at::Tensor grad = grad_.contiguous(), saved = saved_.contiguous(),
-                   stats = stats_.contiguous();
-  at::Tensor grad_input = at::empty(saved.sizes(), saved.options());
-  at::Tensor mask_storage;
-  const MaskView view = make_mask_view(mask, mask_storage);
-  if (grad_input.numel() == 0) return grad_input;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, saved.scalar_type(), "nanfree_softmax_backward", [&] {
-    backward_kernel<kind, scalar_t>(grad, saved, stats, view, grad_input);
+template <SoftmaxKind kind>
+at::Tensor backward(const char* op, const at::Tensor& grad, const at::Tensor& saved,
+                    const at::Tensor& stats, const std::optional<at::Tensor>& mask) {
+  const BackwardArgs args = prepare_backward(op, kind, grad, saved, stats, mask);
+  if (args.grad_input.numel() == 0) return args.grad_input;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.saved.scalar_type(),
+                                  "nanfree_softmax_backward", [&] {
+    backward_kernel<kind, scalar_t>(args);
   });
-  return grad_input;
+  return args.grad_input;
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_lastdim(const at::Tensor& input,
                                                    const std::optional<at::Tensor>& mask) {
-  return forward<Forward::Softmax>("softmax", input, mask);
+  return forward<SoftmaxKind::Softmax>("softmax", input, mask);
 }
 std::tuple<at::Tensor, at::Tensor> log_softmax_lastdim(const at::Tensor& input,
                                                        const std::optional<at::Tensor>& mask) {
-  return forward<Forward::LogSoftmax>("log_softmax", input, mask);
+  return forward<SoftmaxKind::LogSoftmax>("log_softmax", input, mask);
 }
 std::tuple<at::Tensor, at::Tensor> logsumexp_lastdim(const at::Tensor& input,
                                                      const std::optional<at::Tensor>& mask) {
-  return forward<Forward::LogSumExp>("logsumexp", input, mask);
+  return forward<SoftmaxKind::LogSumExp>("logsumexp", input, mask);
 }
 at::Tensor softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
                                     const at::Tensor& stats) {
-  return backward<Backward::Softmax>("softmax_backward", grad, output, stats, std::nullopt);
+  return backward<SoftmaxKind::Softmax>("softmax_backward", grad, output, stats, std::nullopt);
 }
 at::Tensor log_softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
                                         const at::Tensor& stats,
                                         const std::optional<at::Tensor>& mask) {
-  return backward<Backward::LogSoftmax>("log_softmax_backward", grad, output, stats, mask);
+  return backward<SoftmaxKind::LogSoftmax>("log_softmax_backward", grad, output, stats, mask);
 }
 at::Tensor logsumexp_lastdim_backward(const at::Tensor& grad, const at::Tensor& input,
                                       const at::Tensor& stats,
                                       const std::optional<at::Tensor>& mask) {
-  return backward<Backward::LogSumExp>("logsumexp_backward", grad, input, stats, mask);
+  return backward<SoftmaxKind::LogSumExp>("logsumexp_backward", grad, input, stats, mask);
 }
 
 }  // namespace

@@ -34,8 +34,6 @@ struct AccOf<double> {
 template <typename scalar_t>
 using acc_of_t = typename AccOf<scalar_t>::type;
 
-enum class SoftmaxKind : int { Softmax = 0, LogSoftmax = 1, LogSumExp = 2 };
-
 // Forward of softmax / log_softmax (output [rows, cols]) or logsumexp (output
 // [rows], the logsumexp cast to scalar_t). stats always receives the row's
 // statistics; a row of zero columns is empty: max -inf, logsumexp -inf.

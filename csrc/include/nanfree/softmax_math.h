@@ -7,6 +7,9 @@
 
 namespace nanfree {
 
+// The three ops of the family; they share the forward row statistics.
+enum class SoftmaxKind : int { Softmax = 0, LogSoftmax = 1, LogSumExp = 2 };
+
 // A boolean mask viewed with the layout of a [rows, cols] problem. The row
 // index is split row-major over up to three collapsed dimensions (sizes,
 // strides); column j adds j * col_stride. Strides may be 0 (broadcast).
