@@ -1,0 +1,77 @@
+"""Masks in every memory layout a kernel sees: unit column stride, one flag per
+row (column stride 0), one row for all rows (row stride 0), a transposed mask
+(column stride > 1) and an attention-style [B, 1, 1, S] mask. Each must give
+what the masked_fill reference gives, forward and backward, with NaN in the
+dropped entries ignored."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES, INTERPRETED
+
+import nanfree.ops as nf
+
+OPS = ["softmax", "log_softmax", "logsumexp"]
+# 37 columns leave a vector tail; 1500 span two chunks of the CPU kernels.
+COLS = [37] if INTERPRETED else [37, 1500]
+
+
+def _layouts(rows, cols, gen):
+    dense = torch.rand(rows, cols, generator=gen) > 0.4
+    per_row = (torch.rand(rows, 1, generator=gen) > 0.3).expand(rows, cols)
+    shared_row = (torch.rand(1, cols, generator=gen) > 0.4).expand(rows, cols)
+    transposed = dense.t().contiguous().t()
+    return {"dense": dense, "per_row": per_row, "shared_row": shared_row, "transposed": transposed}
+
+
+def _reference(op, x, mask):
+    """The op on x.masked_fill(~mask, -inf), and the leaf it was computed from."""
+    filled = x.detach().masked_fill(~mask, -math.inf).requires_grad_(True)
+    out = getattr(nf, op)(filled, -1)
+    return out, filled
+
+
+def _compare(device, op, x, mask):
+    x = x.to(device)
+    mask = mask.to(device)
+    # NaN where the mask drops an entry: a masked op must not see it.
+    x = x.masked_fill(~mask, math.nan).requires_grad_(True)
+    out = getattr(nf, op)(x, -1, mask=mask)
+    ref_out, ref_x = _reference(op, x, mask)
+    torch.testing.assert_close(out, ref_out, equal_nan=False)
+    grad = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    # A dropped entry's output is a constant (0 or -inf), so its incoming
+    # gradient must not reach the other entries; the unmasked -inf reference
+    # would pass it on (log_softmax), so it gets those gradients zeroed.
+    ref_grad = grad if op == "logsumexp" else grad.masked_fill(~mask, 0.0)
+    (ref_dx,) = torch.autograd.grad(ref_out, ref_x, ref_grad)
+    ref_dx = ref_dx.masked_fill(~mask, 0.0)
+    torch.testing.assert_close(dx, ref_dx)
+    assert not dx.isnan().any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("layout", ["dense", "per_row", "shared_row", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mask_layouts_match_masked_fill(device, op, cols, layout, dtype):
+    gen = torch.Generator().manual_seed(cols)
+    rows = 6
+    x = torch.randn(rows, cols, generator=gen, dtype=dtype) * 3
+    mask = _layouts(rows, cols, gen)[layout]
+    _compare(device, op, x, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_attention_style_mask(device, op):
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, queries, keys = 2, 3, 4, 19
+    x = torch.randn(batch, heads, queries, keys, generator=gen)
+    lengths = torch.tensor([keys, 7])
+    key_padding = torch.arange(keys)[None, :] < lengths[:, None]
+    mask = key_padding[:, None, None, :].expand(batch, heads, queries, keys)
+    _compare(device, op, x, mask)
