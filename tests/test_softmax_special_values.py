@@ -60,36 +60,38 @@ def _run(op, x, mask):
     return getattr(nf, op)(x, -1, mask=mask)
 
 
-def _batch(row, keep, dtype, device):
-    """The case row and a plain row below it, which the case must not disturb."""
+def _case_batch(case, dtype, device):
+    """The case row with a plain row below it, which the case must not disturb.
+
+    Returns the input, the mask (or None) and, per row, the values as the
+    tensor holds them (rounded to dtype, as Python floats) with the row's keep
+    list, as the oracle takes them."""
+    row, keep = _cases(dtype)[case]
     plain = [0.5 - 0.25 * i for i in range(len(row))]
     x = torch.tensor([row, plain], dtype=dtype, device=device)
     mask = None
     if keep is not None:
         mask = torch.tensor([keep, [True] * len(row)], device=device)
-    return x, mask, plain
+    rounded = torch.tensor([row, plain], dtype=dtype).double().tolist()
+    return x, mask, [(rounded[0], keep), (rounded[1], None)]
 
 
-def _rounded(values, dtype):
-    """The input as the tensor holds it (rounded to dtype), as Python floats."""
-    return torch.tensor(values, dtype=dtype).double().tolist()
+def _holds_nan(values, keep):
+    """Whether a kept entry of the row is NaN."""
+    return any(math.isnan(v) for v, k in zip(values, keep or [True] * len(values)) if k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_forward_table(case, op, dtype, device):
-    row, keep = _cases(dtype)[case]
-    x, mask, plain = _batch(row, keep, dtype, device)
+    x, mask, rows = _case_batch(case, dtype, device)
     out = _run(op, x, mask)
-    expected_rows = []
-    for values, row_keep in ((row, keep), (plain, None)):
-        soft, log, lse = row_oracle(_rounded(values, dtype), row_keep)
-        expected_rows.append({"softmax": soft, "log_softmax": log, "logsumexp": lse}[op])
-    expected = torch.tensor(expected_rows, dtype=torch.float64).to(dtype)
+    expected = [row_oracle(values, keep)[OPS.index(op)] for values, keep in rows]
+    expected = torch.tensor(expected, dtype=torch.float64).to(dtype)
     assert out.dtype == dtype and out.device.type == device
     torch.testing.assert_close(out.cpu(), expected, equal_nan=True, **TOL[dtype])
-    if not any(math.isnan(v) for v, k in zip(row, keep or [True] * len(row)) if k):
+    if not _holds_nan(*rows[0]):
         assert not torch.isnan(out).any(), f"NaN from non-NaN input in {case}"
 
 
@@ -97,29 +99,26 @@ def test_forward_table(case, op, dtype, device):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_backward_table(case, op, dtype, device):
-    row, keep = _cases(dtype)[case]
-    x, mask, plain = _batch(row, keep, dtype, device)
+    x, mask, rows = _case_batch(case, dtype, device)
+    cols = x.shape[-1]
     x.requires_grad_(True)
     out = _run(op, x, mask)
     if op == "logsumexp":
         grad = torch.tensor([1.5, -0.5], dtype=dtype, device=device)
     else:
-        grad = torch.tensor([[1.0 - 0.5 * i for i in range(len(row))]] * 2, dtype=dtype, device=device)
+        grad = torch.tensor([[1.0 - 0.5 * i for i in range(cols)]] * 2, dtype=dtype, device=device)
     (dx,) = torch.autograd.grad(out, x, grad)
-    rows_nan = [any(math.isnan(v) for v, k in zip(row, keep or [True] * len(row)) if k), False]
-    expected = []
-    for r, (values, row_keep) in enumerate(((row, keep), (plain, None))):
-        g = grad[r].item() if op == "logsumexp" else grad[r].double().tolist()
-        expected.append(row_grad_oracle(op, _rounded(values, dtype), row_keep, g))
-    expected = torch.tensor(expected, dtype=torch.float64)
-    for r in range(2):
-        if rows_nan[r]:
+    for r, (values, keep) in enumerate(rows):
+        if _holds_nan(values, keep):
             assert torch.isnan(dx[r]).all(), "a NaN input propagates to its own row's gradient"
             continue
         assert torch.isfinite(dx[r]).all(), f"non-finite gradient in {case}: {dx[r]}"
+        g = grad[r].item() if op == "logsumexp" else grad[r].double().tolist()
+        expected = torch.tensor(row_grad_oracle(op, values, keep, g), dtype=torch.float64)
         # The backward of a half-precision op starts from its rounded output.
         tol = TOL[dtype] if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(dx[r].cpu().double(), expected[r], **tol)
+        torch.testing.assert_close(dx[r].cpu().double(), expected, **tol)
+    keep = rows[0][1]
     if keep is not None:
         dropped = ~torch.tensor(keep, device=device)
         assert (dx[0][dropped] == 0).all(), "a dropped entry's gradient is 0"
