@@ -184,8 +184,11 @@ def _forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols,
 
 
 @triton.jit
-def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_cols,
-                             BLOCK: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
+def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
+                             ms1, ms2, mst0, mst1, mst2, mask_col_stride,
+                             HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                             SINGLE_BLOCK: tl.constexpr):
+    # The mask arguments are unused: a dropped entry has y = 0 and so gradient 0.
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     go_row = go_ptr + row * n_cols
@@ -258,7 +261,9 @@ def _log_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_c
 @triton.jit
 def _logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
                                ms1, ms2, mst0, mst1, mst2, mask_col_stride,
-                               HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+                               HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                               SINGLE_BLOCK: tl.constexpr):
+    # One pass whatever the row length (SINGLE_BLOCK unused): each entry needs only the stats.
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * n_cols
@@ -359,64 +364,45 @@ def logsumexp_lastdim(input, mask=None):
     return _forward(input, mask, LOGSUMEXP, "logsumexp")
 
 
-def _backward_setup(grad_output, ref, stats):
-    """Contiguous operands, an empty grad_input and the launch config (None: no launch)."""
-    g, ref, stats = grad_output.contiguous(), ref.contiguous(), stats.contiguous()
-    grad_input = torch.empty(ref.shape, dtype=ref.dtype, device=ref.device)
-    config = None if _rows(ref) == 0 or ref.shape[-1] == 0 else _block_config(ref.shape[-1])
-    return g, ref, stats, grad_input, config
+def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad):
+    """Checks the operands and launches one backward kernel program per row.
+
+    ``saved`` is the forward's output (softmax, log_softmax) or input
+    (logsumexp); ``per_row_grad`` says grad_output has one value per row."""
+    grad_shape = saved.shape[:-1] if per_row_grad else saved.shape
+    check_backward(op, grad_output, saved, stats, mask, grad_shape)
+    if saved.dim() == 0:  # one row of one entry
+        row = saved.reshape(1)
+        g = grad_output.reshape(row.shape[:-1] if per_row_grad else row.shape)
+        return _backward(op, kernel, g, row, stats, _as_row(mask), per_row_grad).reshape(())
+    g, saved, stats = grad_output.contiguous(), saved.contiguous(), stats.contiguous()
+    grad_input = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+    n_rows, n_cols = _rows(saved), saved.shape[-1]
+    if n_rows == 0 or n_cols == 0:
+        return grad_input
+    block, single, num_warps = _block_config(n_cols)
+    m, sizes, strides, col_stride, has_mask = _mask_args(mask, saved)
+    with _device_guard(saved):
+        kernel[(n_rows,)](
+            g, saved, stats, grad_input, m, n_cols, sizes[1], sizes[2], strides[0], strides[1],
+            strides[2], col_stride, HAS_MASK=has_mask, BLOCK=block, SINGLE_BLOCK=single,
+            num_warps=num_warps)
+    return grad_input
 
 
 def softmax_lastdim_backward(grad_output, output, stats):
     """y * (g - sum(g * y)); 0 for rows without gradient."""
-    check_backward("softmax_backward", grad_output, output, stats, None, output.shape)
-    if output.dim() == 0:
-        return softmax_lastdim_backward(grad_output.reshape(1), output.reshape(1),
-                                        stats).reshape(())
-    g, y, stats, grad_input, config = _backward_setup(grad_output, output, stats)
-    if config is None:
-        return grad_input
-    block, single, num_warps = config
-    with _device_guard(y):
-        _softmax_backward_kernel[(_rows(y),)](
-            g, y, stats, grad_input, y.shape[-1], BLOCK=block, SINGLE_BLOCK=single,
-            num_warps=num_warps)
-    return grad_input
+    return _backward("softmax_backward", _softmax_backward_kernel, grad_output, output, stats,
+                     None, per_row_grad=False)
 
 
 def log_softmax_lastdim_backward(grad_output, output, stats, mask=None):
     """g - exp(y) * sum(kept g); 0 where dropped and for rows without gradient."""
-    check_backward("log_softmax_backward", grad_output, output, stats, mask, output.shape)
-    if output.dim() == 0:
-        return log_softmax_lastdim_backward(grad_output.reshape(1), output.reshape(1), stats,
-                                            _as_row(mask)).reshape(())
-    g, y, stats, grad_input, config = _backward_setup(grad_output, output, stats)
-    if config is None:
-        return grad_input
-    block, single, num_warps = config
-    m, sizes, strides, col_stride, has_mask = _mask_args(mask, y)
-    with _device_guard(y):
-        _log_softmax_backward_kernel[(_rows(y),)](
-            g, y, stats, grad_input, m, y.shape[-1], sizes[1], sizes[2], strides[0],
-            strides[1], strides[2], col_stride, HAS_MASK=has_mask, BLOCK=block,
-            SINGLE_BLOCK=single, num_warps=num_warps)
-    return grad_input
+    return _backward("log_softmax_backward", _log_softmax_backward_kernel, grad_output, output,
+                     stats, mask, per_row_grad=False)
 
 
 def logsumexp_lastdim_backward(grad_output, input, stats, mask=None):
     """g * softmax(x) (grad_output of shape input.shape[:-1]); 0 where dropped."""
-    check_backward("logsumexp_backward", grad_output, input, stats, mask, input.shape[:-1])
-    if input.dim() == 0:
-        return logsumexp_lastdim_backward(grad_output.reshape(()), input.reshape(1), stats,
-                                          _as_row(mask)).reshape(())
-    g, x, stats, grad_input, config = _backward_setup(grad_output, input, stats)
-    if config is None:
-        return grad_input
-    block, _, num_warps = config
-    m, sizes, strides, col_stride, has_mask = _mask_args(mask, x)
-    with _device_guard(x):
-        _logsumexp_backward_kernel[(_rows(x),)](
-            g, x, stats, grad_input, m, x.shape[-1], sizes[1], sizes[2], strides[0],
-            strides[1], strides[2], col_stride, HAS_MASK=has_mask, BLOCK=block,
-            num_warps=num_warps)
-    return grad_input
+    return _backward("logsumexp_backward", _logsumexp_backward_kernel, grad_output, input,
+                     stats, mask, per_row_grad=True)
