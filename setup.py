@@ -130,7 +130,9 @@ def _cuda_extension():
 
 
 ext_modules = [
-    CppExtension("nanfree._C", ["csrc/registration.cpp"], include_dirs=INCLUDE_DIRS,
+    # Schemas and the autograd of every op: device-independent, loaded first.
+    CppExtension("nanfree._C", ["csrc/registration.cpp", "csrc/softmax_autograd.cpp"],
+                 include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS}),
     CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags()}),

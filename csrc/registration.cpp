@@ -1,6 +1,7 @@
 // Every nanfree operator schema, defined once. Kernels are registered per
 // device by csrc/cpu, csrc/cuda and (Triton, pure torch) by nanfree/_backends.py;
-// fake kernels and autograd by nanfree/_softmax_registration.py.
+// autograd once for all backends by csrc/softmax_autograd.cpp; fake kernels by
+// nanfree/_softmax_registration.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(nanfree, m) {

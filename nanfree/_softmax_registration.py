@@ -1,5 +1,7 @@
-"""Fake (meta) kernels and autograd of the softmax-family ops, registered once
-for every backend. The schemas are in csrc/registration.cpp."""
+"""Fake (meta) kernels of the softmax-family ops, registered once for every
+backend. The schemas are in csrc/registration.cpp; the autograd, also shared by
+every backend, is in csrc/softmax_autograd.cpp (a C++ autograd kernel costs a
+fraction of a Python one per call)."""
 
 import torch
 
@@ -33,47 +35,9 @@ def _fake_backward(grad_output, saved, stats, mask=None):
     return saved.new_empty(saved.shape)
 
 
-def _setup_softmax(ctx, inputs, output):
-    _, mask = inputs
-    out, stats = output
-    ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(out, stats, mask)
-
-
-def _setup_logsumexp(ctx, inputs, output):
-    input, mask = inputs
-    _, stats = output
-    ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(input, stats, mask)
-
-
-def _softmax_backward(ctx, grad_out, _grad_stats):
-    out, stats, _ = ctx.saved_tensors
-    return torch.ops.nanfree.softmax_lastdim_backward(grad_out, out, stats), None
-
-
-def _log_softmax_backward(ctx, grad_out, _grad_stats):
-    out, stats, mask = ctx.saved_tensors
-    return torch.ops.nanfree.log_softmax_lastdim_backward(grad_out, out, stats, mask), None
-
-
-def _logsumexp_backward(ctx, grad_out, _grad_stats):
-    input, stats, mask = ctx.saved_tensors
-    return torch.ops.nanfree.logsumexp_lastdim_backward(grad_out, input, stats, mask), None
-
-
 def register():
     for name in ("softmax_lastdim", "log_softmax_lastdim"):
         torch.library.register_fake(f"nanfree::{name}", _fake_forward)
     torch.library.register_fake("nanfree::logsumexp_lastdim", _fake_logsumexp)
     for name in BACKWARD_OPS:
         torch.library.register_fake(f"nanfree::{name}", _fake_backward)
-    torch.library.register_autograd(
-        "nanfree::softmax_lastdim", _softmax_backward, setup_context=_setup_softmax
-    )
-    torch.library.register_autograd(
-        "nanfree::log_softmax_lastdim", _log_softmax_backward, setup_context=_setup_softmax
-    )
-    torch.library.register_autograd(
-        "nanfree::logsumexp_lastdim", _logsumexp_backward, setup_context=_setup_logsumexp
-    )
