@@ -65,8 +65,11 @@ def _rows_over(input, mask, dims):
     if input.dim() == 0:
         return input.reshape(1), None if mask is None else mask.reshape(1)
     ends = list(range(input.dim() - len(dims), input.dim()))
-    x = input.movedim(dims, ends)
-    m = None if mask is None else mask.movedim(dims, ends)
+    if dims == ends:  # already last: no view to build
+        x, m = input, mask
+    else:
+        x = input.movedim(dims, ends)
+        m = None if mask is None else mask.movedim(dims, ends)
     if len(dims) > 1:
         x = x.flatten(-len(dims))
         m = None if m is None else m.flatten(-len(dims))
