@@ -3,7 +3,8 @@
 For each shape, dtype, op and variant it times forward, backward and
 forward+backward of nanfree and of the PyTorch baseline (``torch.softmax``, or
 ``masked_fill`` + ``torch.softmax`` for the masked variant), reports the ratio
-(PyTorch time / nanfree time: above 1 means nanfree is faster) and the achieved
+(PyTorch time / nanfree time: above 1 means nanfree is faster; each side's
+time is the fastest of a few alternating rounds of median timings) and the achieved
 bandwidth counting the minimum bytes (forward: read x, write y; backward: read
 y and dy, write dx; the masked variant also reads a 1-byte mask per element).
 
@@ -35,6 +36,10 @@ def parse_args(argv=None):
     parser.add_argument("--csv", default=None, help="where to write the results (CSV)")
     parser.add_argument("--min-run-time", type=float, default=None,
                         help="seconds of timed runs per measurement")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of nanfree and torch per case; the fastest "
+                             "round of each counts, so a burst of load on a shared machine "
+                             "does not land on one side only")
     return parser.parse_args(argv)
 
 
@@ -134,8 +139,10 @@ def main(argv=None):
                     m = mask if variant == "masked" else None
                     for direction in directions:
                         step += 1
-                        t_ours = measure(ours, x, m, direction, min_run_time)
-                        t_torch = measure(baseline, x, mask, direction, min_run_time)
+                        t_ours, t_torch = math.inf, math.inf
+                        for _ in range(args.rounds):
+                            t_ours = min(t_ours, measure(ours, x, m, direction, min_run_time))
+                            t_torch = min(t_torch, measure(baseline, x, mask, direction, min_run_time))
                         gbs = min_bytes(x, direction, variant == "masked") / t_ours / 1e9
                         record = dict(device=device, op=op, variant=variant, dtype=str(dtype).split(".")[-1],
                                       rows=rows, cols=cols, direction=direction,
