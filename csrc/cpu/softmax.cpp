@@ -8,6 +8,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -87,6 +88,20 @@ void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
   }
 }
 
+// float16 / bfloat16 to float with vector loads (ATen's at::vec::convert
+// widens them one element at a time).
+template <typename scalar_t>
+void widen(const scalar_t* src, float* dst, int64_t n) {
+  using V = Vec<float>;
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V v;
+    at::vec::load_to_float<scalar_t>(src + j, v);
+    v.store(dst + j);
+  }
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
 // A row of the source in the accumulation type: the row itself for float and
 // double, else converted into `buffer`.
 template <typename scalar_t, typename acc_t>
@@ -94,7 +109,7 @@ const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buffer) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return src;
   } else {
-    at::vec::convert(src, buffer, n);
+    widen(src, buffer, n);
     return buffer;
   }
 }
@@ -105,6 +120,10 @@ struct MaskRow {
   const bool* data;
   int64_t stride;
   bool keep(int64_t j) const { return data == nullptr || data[j * stride]; }
+  // The same mask from entry `start` on.
+  MaskRow from(int64_t start) const {
+    return MaskRow{data == nullptr ? nullptr : data + start * stride, stride};
+  }
 };
 
 inline MaskRow mask_row(const MaskView& mask, int64_t row) {
@@ -211,6 +230,7 @@ LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t* exps) {
 template <SoftmaxKind kind, typename scalar_t>
 void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
   const int64_t rows = args.shape.rows, cols = args.shape.cols;
   const MaskView mask = args.mask;
@@ -220,13 +240,19 @@ void forward_kernel(const ForwardArgs& args) {
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    // The converted or masked row; log_softmax of half types also writes its result there.
-    auto buffer = scratch_row<acc_t>(cols, !same_type || mask.data != nullptr);
-    // Softmax exps of half types (float and double write them into the output).
+    // One chunk of a row, converted or masked, in the accumulation type (an
+    // unmasked float or double row is read in place).
+    auto chunk_buffer = scratch_row<acc_t>(std::min(cols, kChunk), !same_type || mask.data != nullptr);
+    // Softmax exps of a whole row for half types (float and double write them into the output).
     auto exp_buffer = scratch_row<acc_t>(cols, kind == SoftmaxKind::Softmax && !same_type);
     std::vector<acc_t> chunk_maxima(chunks);
     for (int64_t r = begin; r < end; ++r) {
-      const acc_t* x = load_row(in + r * cols, cols, mask_row(mask, r), buffer.get());
+      const scalar_t* x_row = in + r * cols;
+      const MaskRow keep = mask_row(mask, r);
+      // The values softmax sees in x_row[start, start + n), in the accumulation type.
+      const auto load = [&](int64_t start, int64_t n) {
+        return load_row(x_row + start, n, keep.from(start), chunk_buffer.get());
+      };
       acc_t* exps = kind == SoftmaxKind::Softmax
                         ? acc_destination(out + r * cols, exp_buffer.get())
                         : nullptr;
@@ -234,7 +260,7 @@ void forward_kernel(const ForwardArgs& args) {
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
         const LseState<acc_t> part =
-            chunk_state(x + start, n, exps == nullptr ? nullptr : exps + start);
+            chunk_state(load(start, n), n, exps == nullptr ? nullptr : exps + start);
         chunk_maxima[c] = part.max;
         state = c == 0 ? part : lse_merge(state, part);
       }
@@ -249,31 +275,33 @@ void forward_kernel(const ForwardArgs& args) {
       // The vectorized output path is for rows with a finite max and sum; the
       // empty, +inf and NaN rows take the shared per-entry rules.
       const bool finite_row = !nf_isinf(state.max) && !nf_isnan(state.sum);
-      if constexpr (kind == SoftmaxKind::Softmax) {
-        const acc_t inv_sum = acc_t(1) / state.sum;
-        if (finite_row) {
-          for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
+      const acc_t inv_sum = acc_t(1) / state.sum;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
+        if constexpr (kind == SoftmaxKind::Softmax) {
+          if (finite_row) {
             // A chunk of only -inf has exps 0 and a -inf max: lse_scale gives 0.
-            const Vec<acc_t> factor(lse_scale(chunk_maxima[c], state.max) * inv_sum);
-            acc_t* e = exps + start;
-            at::vec::map([&](Vec<acc_t> v) { return v * factor; }, e, e, n);
+            const V factor(lse_scale(chunk_maxima[c], state.max) * inv_sum);
+            // Scaled and stored (converted for half types) in one pass.
+            at::vec::map([&](V e) { return e * factor; }, y + start, exps + start, n);
+          } else {
+            const acc_t* x = load(start, n);
+            for (int64_t j = 0; j < n; ++j) exps[start + j] = softmax_value(x[j], state, inv_sum);
+            store_row(exps + start, y + start, n);
           }
         } else {
-          for (int64_t j = 0; j < cols; ++j) exps[j] = softmax_value(x[j], state, inv_sum);
+          const acc_t* x = load(start, n);
+          if (finite_row) {
+            const V shift(state.max), log_sum_v(log_sum);
+            // x - max - log_sum: a -inf entry (dropped or not) stays -inf, as log_softmax_value.
+            at::vec::map([&](V v) { return (v - shift) - log_sum_v; }, y + start, x, n);
+          } else {
+            // In place over the chunk buffer for half types (x may be that buffer).
+            acc_t* result = acc_destination(y + start, chunk_buffer.get());
+            for (int64_t j = 0; j < n; ++j) result[j] = log_softmax_value(x[j], state, log_sum);
+            store_row(result, y + start, n);
+          }
         }
-        store_row(exps, y, cols);
-      } else {
-        // In place over the row buffer for half types (x may be that buffer).
-        acc_t* result = acc_destination(y, buffer.get());
-        if (finite_row) {
-          const Vec<acc_t> shift(state.max), log_sum_v(log_sum);
-          // x - max - log_sum: a -inf entry (dropped or not) stays -inf, as log_softmax_value.
-          at::vec::map([&](Vec<acc_t> v) { return (v - shift) - log_sum_v; }, result, x, cols);
-        } else {
-          for (int64_t j = 0; j < cols; ++j) result[j] = log_softmax_value(x[j], state, log_sum);
-        }
-        store_row(result, y, cols);
       }
     }
   });
@@ -291,6 +319,34 @@ std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& inp
   return {args.output, args.stats};
 }
 
+// The backward of an unmasked row with a finite max and log_sum, the common
+// case, straight on the stored type: ATen's maps convert float16 / bfloat16
+// to float in registers, so no row is copied. The formulas are those of the
+// shared *_grad_value functions.
+template <SoftmaxKind kind, typename scalar_t, typename acc_t>
+void unmasked_finite_row_backward(const scalar_t* g_all, const scalar_t* s_row,
+                                  RowStats<acc_t> row, scalar_t* dx_row, int64_t r, int64_t cols) {
+  using V = Vec<acc_t>;
+  const auto add = [](V& a, V& b) { return a + b; };
+  if constexpr (kind == SoftmaxKind::LogSumExp) {
+    const V g(static_cast<acc_t>(g_all[r])), max_v(row.max), log_sum_v(row.log_sum);
+    // g * exp(x - max - log_sum), as logsumexp_grad_value.
+    at::vec::map([&](V x) { return g * shifted_exp((x - max_v) - log_sum_v); }, dx_row, s_row,
+                 cols);
+  } else if constexpr (kind == SoftmaxKind::Softmax) {
+    const scalar_t* g_row = g_all + r * cols;
+    const V dot(at::vec::map2_reduce_all<scalar_t>([](V g, V y) { return g * y; }, add, g_row,
+                                                   s_row, cols));
+    // y * (g - dot), as softmax_grad_value.
+    at::vec::map2([&](V g, V y) { return y * (g - dot); }, dx_row, g_row, s_row, cols);
+  } else {
+    const scalar_t* g_row = g_all + r * cols;
+    const V sum(at::vec::reduce_all<scalar_t>(add, g_row, cols));
+    // g - exp(y) * sum, as log_softmax_grad_value.
+    at::vec::map2([&](V g, V y) { return g - shifted_exp(y) * sum; }, dx_row, g_row, s_row, cols);
+  }
+}
+
 template <SoftmaxKind kind, typename scalar_t>
 void backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -303,11 +359,14 @@ void backward_kernel(const BackwardArgs& args) {
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    auto g_buf = scratch_row<acc_t>(cols, !same_type && kind != SoftmaxKind::LogSumExp);
-    auto s_buf = scratch_row<acc_t>(cols, !same_type);
-    auto dx_buf = scratch_row<acc_t>(cols, !same_type);
+    // Chunks of a row in the accumulation type (half types only): the row is
+    // converted one chunk at a time, in cache, instead of whole rows at once.
+    const int64_t width = std::min(cols, kChunk);
+    auto g_buf = scratch_row<acc_t>(width, !same_type && kind != SoftmaxKind::LogSumExp);
+    auto s_buf = scratch_row<acc_t>(width, !same_type);
+    auto dx_buf = scratch_row<acc_t>(width, !same_type);
     // The gradient with dropped entries zeroed, for the masked log_softmax sum.
-    auto kept_g = scratch_row<acc_t>(cols, kind == SoftmaxKind::LogSoftmax && mask.data != nullptr);
+    auto kept_g = scratch_row<acc_t>(width, kind == SoftmaxKind::LogSoftmax && mask.data != nullptr);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* dx_row = dx_all + r * cols;
       const RowStats<acc_t> row{stats_all[2 * r], stats_all[2 * r + 1]};
@@ -316,51 +375,73 @@ void backward_kernel(const BackwardArgs& args) {
         continue;
       }
       const MaskRow keep = mask_row(mask, r);
-      const acc_t* s = as_acc(s_all + r * cols, cols, s_buf.get());
-      acc_t* dx = acc_destination(dx_row, dx_buf.get());
+      const scalar_t* g_row = g_all + r * cols;  // logsumexp: unused, g_all holds one value per row
+      const scalar_t* s_row = s_all + r * cols;
       // A NaN row (NaN log_sum) takes the shared scalar rules: exp_u20 would
       // turn its NaN into a number. Rows reaching the vector paths below hold
       // a finite max, so each kept entry is finite or -inf.
       const bool nan_row = nf_isnan(row.log_sum);
-      if constexpr (kind == SoftmaxKind::LogSumExp) {
-        const acc_t g = static_cast<acc_t>(g_all[r]);
-        if (nan_row) {
-          for (int64_t j = 0; j < cols; ++j) dx[j] = logsumexp_grad_value(g, s[j], row, keep.keep(j));
-        } else {
-          const Vec<acc_t> gv(g), max_v(row.max), log_sum_v(row.log_sum);
-          // g * exp(x - max - log_sum), as logsumexp_grad_value.
-          at::vec::map([&](Vec<acc_t> x) { return gv * shifted_exp((x - max_v) - log_sum_v); },
-                       dx, s, cols);
-          // As logsumexp_grad_value: a dropped entry receives 0, whatever it held.
-          if (keep.data != nullptr) select_kept(dx, dx, keep, cols, acc_t(0));
-        }
-      } else if constexpr (kind == SoftmaxKind::Softmax) {
-        const acc_t* g = as_acc(g_all + r * cols, cols, g_buf.get());
-        const Vec<acc_t> d(vec_dot(g, s, cols));
-        // y * (g - dot), as softmax_grad_value; dropped entries have y = 0.
-        at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return y * (gv - d); }, dx, g, s, cols);
-      } else {
-        const acc_t* g = as_acc(g_all + r * cols, cols, g_buf.get());
-        acc_t grad_sum;
-        if (keep.data == nullptr) {
-          grad_sum = vec_sum(g, cols);
-        } else {
-          select_kept(g, kept_g.get(), keep, cols, acc_t(0));  // dropped entries add nothing
-          grad_sum = vec_sum(kept_g.get(), cols);
-        }
-        if (nan_row) {
-          for (int64_t j = 0; j < cols; ++j)
-            dx[j] = log_softmax_grad_value(g[j], s[j], grad_sum, keep.keep(j));
-        } else {
-          const Vec<acc_t> sum_v(grad_sum);
-          // g - exp(y) * sum, as log_softmax_grad_value.
-          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; },
-                        dx, g, s, cols);
-          // As log_softmax_grad_value: a dropped entry receives 0.
-          if (keep.data != nullptr) select_kept(dx, dx, keep, cols, acc_t(0));
+      if (keep.data == nullptr && !nan_row) {
+        unmasked_finite_row_backward<kind>(g_all, s_row, row, dx_row, r, cols);
+        continue;
+      }
+      // Masked and NaN rows: chunk by chunk in the accumulation type.
+      // The row's reduction: sum(g * y) for softmax, the sum of the kept g for log_softmax.
+      acc_t reduction = 0;
+      if constexpr (kind != SoftmaxKind::LogSumExp) {
+        for (int64_t start = 0; start < cols; start += kChunk) {
+          const int64_t n = std::min(kChunk, cols - start);
+          const acc_t* g = as_acc(g_row + start, n, g_buf.get());
+          if constexpr (kind == SoftmaxKind::Softmax) {
+            reduction += vec_dot(g, as_acc(s_row + start, n, s_buf.get()), n);
+          } else if (keep.data == nullptr) {
+            reduction += vec_sum(g, n);
+          } else {
+            select_kept(g, kept_g.get(), keep.from(start), n, acc_t(0));  // dropped entries add nothing
+            reduction += vec_sum(kept_g.get(), n);
+          }
         }
       }
-      store_row(dx, dx_row, cols);
+      for (int64_t start = 0; start < cols; start += kChunk) {
+        const int64_t n = std::min(kChunk, cols - start);
+        const MaskRow chunk_keep = keep.from(start);
+        const acc_t* s = as_acc(s_row + start, n, s_buf.get());
+        acc_t* dx = acc_destination(dx_row + start, dx_buf.get());
+        if constexpr (kind == SoftmaxKind::LogSumExp) {
+          const acc_t g = static_cast<acc_t>(g_all[r]);
+          if (nan_row) {
+            for (int64_t j = 0; j < n; ++j)
+              dx[j] = logsumexp_grad_value(g, s[j], row, chunk_keep.keep(j));
+          } else {
+            const Vec<acc_t> gv(g), max_v(row.max), log_sum_v(row.log_sum);
+            // g * exp(x - max - log_sum), as logsumexp_grad_value.
+            at::vec::map([&](Vec<acc_t> x) { return gv * shifted_exp((x - max_v) - log_sum_v); },
+                         dx, s, n);
+            // As logsumexp_grad_value: a dropped entry receives 0, whatever it held.
+            if (keep.data != nullptr) select_kept(dx, dx, chunk_keep, n, acc_t(0));
+          }
+        } else if constexpr (kind == SoftmaxKind::Softmax) {
+          const acc_t* g = as_acc(g_row + start, n, g_buf.get());
+          const Vec<acc_t> dot(reduction);
+          // y * (g - dot), as softmax_grad_value; dropped entries have y = 0.
+          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return y * (gv - dot); }, dx, g, s, n);
+        } else {
+          const acc_t* g = as_acc(g_row + start, n, g_buf.get());
+          if (nan_row) {
+            for (int64_t j = 0; j < n; ++j)
+              dx[j] = log_softmax_grad_value(g[j], s[j], reduction, chunk_keep.keep(j));
+          } else {
+            const Vec<acc_t> sum_v(reduction);
+            // g - exp(y) * sum, as log_softmax_grad_value.
+            at::vec::map2(
+                [&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; }, dx, g, s,
+                n);
+            // As log_softmax_grad_value: a dropped entry receives 0.
+            if (keep.data != nullptr) select_kept(dx, dx, chunk_keep, n, acc_t(0));
+          }
+        }
+        store_row(dx, dx_row + start, n);
+      }
     }
   });
 }
