@@ -56,7 +56,7 @@ def _compare(device, op, x, mask):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("cols", COLS)
 @pytest.mark.parametrize("layout", ["dense", "per_row", "shared_row", "transposed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_mask_layouts_match_masked_fill(device, op, cols, layout, dtype):
     gen = torch.Generator().manual_seed(cols)
     rows = 6

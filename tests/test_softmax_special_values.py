@@ -60,13 +60,38 @@ def _run(op, x, mask):
     return getattr(nf, op)(x, -1, mask=mask)
 
 
+# Special values past the first 1024 entries of a long row: the CPU kernels
+# work in chunks of 1024 and the Triton kernels in blocks.
+LONG = 2500
+
+
+def _long_cases():
+    base = [math.sin(0.37 * i) * 3 for i in range(LONG)]
+
+    def with_values(**at):
+        row = list(base)
+        for index, value in at.items():
+            row[int(index[1:])] = value
+        return row
+
+    some_dropped = [i % 3 != 0 for i in range(LONG)]
+    return {
+        "+inf late": (with_values(i2000=INF), None),
+        "NaN late": (with_values(i1800=NAN), None),
+        "all -inf": ([-INF] * LONG, None),
+        "fully masked": (base, [False] * LONG),
+        "dropped NaN and +inf late": (with_values(i2100=NAN, i2400=INF), some_dropped),
+        "max late": (with_values(i2300=40.0), None),
+    }
+
+
 def _case_batch(case, dtype, device):
     """The case row with a plain row below it, which the case must not disturb.
 
     Returns the input, the mask (or None) and, per row, the values as the
     tensor holds them (rounded to dtype, as Python floats) with the row's keep
     list, as the oracle takes them."""
-    row, keep = _cases(dtype)[case]
+    row, keep = _long_cases()[case] if case in LONG_CASE_NAMES else _cases(dtype)[case]
     plain = [0.5 - 0.25 * i for i in range(len(row))]
     x = torch.tensor([row, plain], dtype=dtype, device=device)
     mask = None
@@ -81,9 +106,12 @@ def _holds_nan(values, keep):
     return any(math.isnan(v) for v, k in zip(values, keep or [True] * len(values)) if k)
 
 
+LONG_CASE_NAMES = list(_long_cases())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES + LONG_CASE_NAMES)
 def test_forward_table(case, op, dtype, device):
     x, mask, rows = _case_batch(case, dtype, device)
     out = _run(op, x, mask)
@@ -97,7 +125,7 @@ def test_forward_table(case, op, dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES + LONG_CASE_NAMES)
 def test_backward_table(case, op, dtype, device):
     x, mask, rows = _case_batch(case, dtype, device)
     cols = x.shape[-1]
@@ -106,7 +134,7 @@ def test_backward_table(case, op, dtype, device):
     if op == "logsumexp":
         grad = torch.tensor([1.5, -0.5], dtype=dtype, device=device)
     else:
-        grad = torch.tensor([[1.0 - 0.5 * i for i in range(cols)]] * 2, dtype=dtype, device=device)
+        grad = torch.tensor([[math.cos(0.5 * i) for i in range(cols)]] * 2, dtype=dtype, device=device)
     (dx,) = torch.autograd.grad(out, x, grad)
     for r, (values, keep) in enumerate(rows):
         if _holds_nan(values, keep):
