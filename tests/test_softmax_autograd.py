@@ -86,3 +86,26 @@ def test_compile_fullgraph(device):
     (got_grad,) = torch.autograd.grad(got, x)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(got_grad, expected_grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward_refuses_clearly(device, op):
+    x, mask = _inputs(device)
+    out = getattr(nf, op)(x, -1, mask=mask)
+    # First-order gradients with create_graph=True still work ...
+    (grad,) = torch.autograd.grad(torch.where(torch.isinf(out), 0.0, out).pow(2).sum(), x,
+                                  create_graph=True)
+    assert grad.requires_grad
+    # ... but differentiating them again is refused, not silently incomplete.
+    with pytest.raises(RuntimeError, match="double backward"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_through_one_of_two_uses(device):
+    x, mask = _inputs(device)
+    out = nf.log_softmax(x, -1, mask=mask)
+    # Only part of the output reaches the loss; the rest gets no gradient at all.
+    (grad,) = torch.autograd.grad(out[0].exp().sum(), x)
+    assert torch.isfinite(grad).all() and (grad[1:] == 0).all()
