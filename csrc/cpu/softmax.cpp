@@ -40,7 +40,9 @@ inline int64_t row_grain(int64_t cols) {
 // exp of a shifted (<= 0) argument: ATen's exp_u20 for float (about 20 ulp,
 // as PyTorch's own softmax kernels use; results below FLT_MIN flush to 0,
 // which a sum that is at least 1 cannot see) and the 1-ulp exp for double.
-// exp_u20 clamps its argument, so a NaN argument must never reach it.
+// exp_u20 clamps its argument and so turns NaN into a number: a result that
+// must stay NaN never goes through it (a dropped entry may, as its result is
+// then replaced by 0).
 template <typename acc_t>
 inline Vec<acc_t> shifted_exp(const Vec<acc_t>& v) {
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -375,7 +377,8 @@ void backward_kernel(const BackwardArgs& args) {
         continue;
       }
       const MaskRow keep = mask_row(mask, r);
-      const scalar_t* g_row = g_all + r * cols;  // logsumexp: unused, g_all holds one value per row
+      // g_all holds one value per row for logsumexp, a row per row otherwise.
+      const scalar_t* g_row = kind == SoftmaxKind::LogSumExp ? g_all + r : g_all + r * cols;
       const scalar_t* s_row = s_all + r * cols;
       // A NaN row (NaN log_sum) takes the shared scalar rules: exp_u20 would
       // turn its NaN into a number. Rows reaching the vector paths below hold

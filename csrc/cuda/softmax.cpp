@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -51,7 +51,9 @@ device_t<scalar_t>* mutable_device_ptr(at::Tensor& t) {
 template <SoftmaxKind kind>
 std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& input,
                                            const std::optional<at::Tensor>& mask) {
-  const c10::cuda::CUDAGuard device_guard(input.device());
+  // Not a CUDAGuard: with a CPU input (mixed devices) it would throw before
+  // the checks of prepare_forward can name the argument.
+  const c10::OptionalDeviceGuard device_guard(input.device());
   ForwardArgs args = prepare_forward(op, kind, input, mask);
   if (args.stats.numel() == 0) return {args.output, args.stats};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -69,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& inp
 template <SoftmaxKind kind>
 at::Tensor backward(const char* op, const at::Tensor& grad, const at::Tensor& saved,
                     const at::Tensor& stats, const std::optional<at::Tensor>& mask) {
-  const c10::cuda::CUDAGuard device_guard(saved.device());
+  const c10::OptionalDeviceGuard device_guard(saved.device());  // as in forward
   BackwardArgs args = prepare_backward(op, kind, grad, saved, stats, mask);
   if (args.grad_input.numel() == 0) return args.grad_input;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
