@@ -11,9 +11,10 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
-#include "nanfree/softmax_math.h"
+#include "common/softmax_op.h"
 
 namespace nanfree {
 namespace {
@@ -28,21 +29,30 @@ using SoftmaxBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&
 using MaskedBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const std::optional<at::Tensor>&);
 
-constexpr const char* forward_name(SoftmaxKind kind) {
-  return kind == SoftmaxKind::Softmax      ? "nanfree::softmax_lastdim"
-         : kind == SoftmaxKind::LogSoftmax ? "nanfree::log_softmax_lastdim"
-                                           : "nanfree::logsumexp_lastdim";
+// Schema names: "nanfree::<op>_lastdim" and "nanfree::<op>_lastdim_backward".
+std::string forward_name(SoftmaxKind kind) {
+  return std::string("nanfree::") + op_name(kind) + "_lastdim";
 }
 
-constexpr const char* backward_name(SoftmaxKind kind) {
-  return kind == SoftmaxKind::Softmax      ? "nanfree::softmax_lastdim_backward"
-         : kind == SoftmaxKind::LogSoftmax ? "nanfree::log_softmax_lastdim_backward"
-                                           : "nanfree::logsumexp_lastdim_backward";
-}
+std::string backward_name(SoftmaxKind kind) { return forward_name(kind) + "_backward"; }
 
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+c10::TypedOperatorHandle<Signature> find_op(const std::string& name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Signature>();
+}
+
+// Calls the kind's backward op through the dispatcher; softmax's takes no mask
+// (a dropped entry's output is 0).
+template <SoftmaxKind kind>
+at::Tensor call_backward_op(const at::Tensor& grad, const at::Tensor& saved,
+                            const at::Tensor& stats, const std::optional<at::Tensor>& mask) {
+  if constexpr (kind == SoftmaxKind::Softmax) {
+    static const auto op = find_op<SoftmaxBackwardSignature>(backward_name(kind));
+    return op.call(grad, saved, stats);
+  } else {
+    static const auto op = find_op<MaskedBackwardSignature>(backward_name(kind));
+    return op.call(grad, saved, stats, mask);
+  }
 }
 
 template <SoftmaxKind kind>
@@ -56,8 +66,7 @@ struct SoftmaxFamilyFunction : public torch::autograd::Function<SoftmaxFamilyFun
       std::tie(output, stats) = op.call(input, mask);
     }
     // softmax and log_softmax differentiate from their output, logsumexp from
-    // its input; an undefined tensor stands for "no mask" (softmax never needs
-    // it: a dropped entry's output is 0).
+    // its input; an undefined tensor stands for "no mask" (softmax never needs it).
     const bool keeps_mask = kind != SoftmaxKind::Softmax && mask.has_value();
     ctx->save_for_backward({kind == SoftmaxKind::LogSumExp ? input : output, stats,
                             keeps_mask ? *mask : at::Tensor()});
@@ -71,17 +80,9 @@ struct SoftmaxFamilyFunction : public torch::autograd::Function<SoftmaxFamilyFun
     const at::Tensor& grad_output = grads[0];
     if (!grad_output.defined()) return {at::Tensor(), at::Tensor()};  // output unused
     const variable_list saved = ctx->get_saved_variables();
-    at::Tensor grad_input;
-    if constexpr (kind == SoftmaxKind::Softmax) {
-      static const auto op = find_op<SoftmaxBackwardSignature>(backward_name(kind));
-      grad_input = op.call(grad_output, saved[0], saved[1]);
-    } else {
-      static const auto op = find_op<MaskedBackwardSignature>(backward_name(kind));
-      const std::optional<at::Tensor> mask =
-          saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-      grad_input = op.call(grad_output, saved[0], saved[1], mask);
-    }
-    return {grad_input, at::Tensor()};
+    const std::optional<at::Tensor> mask =
+        saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    return {call_backward_op<kind>(grad_output, saved[0], saved[1], mask), at::Tensor()};
   }
 };
 
@@ -91,16 +92,11 @@ struct SoftmaxFamilyFunction : public torch::autograd::Function<SoftmaxFamilyFun
 // second-order term.
 template <SoftmaxKind kind>
 struct BackwardOpFunction : public torch::autograd::Function<BackwardOpFunction<kind>> {
-  template <typename... Args>
-  static variable_list forward(AutogradContext* ctx, const Args&... args) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad,
+                               const at::Tensor& saved, const at::Tensor& stats,
+                               const std::optional<at::Tensor>& mask) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    if constexpr (kind == SoftmaxKind::Softmax) {
-      static const auto op = find_op<SoftmaxBackwardSignature>(backward_name(kind));
-      return {op.call(args...)};
-    } else {
-      static const auto op = find_op<MaskedBackwardSignature>(backward_name(kind));
-      return {op.call(args...)};
-    }
+    return {call_backward_op<kind>(grad, saved, stats, mask)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -118,15 +114,9 @@ std::tuple<at::Tensor, at::Tensor> forward_with_autograd(const at::Tensor& input
   return {outputs[0], outputs[1]};
 }
 
-at::Tensor softmax_backward_with_autograd(const at::Tensor& grad, const at::Tensor& output,
-                                          const at::Tensor& stats) {
-  return BackwardOpFunction<SoftmaxKind::Softmax>::apply(grad, output, stats)[0];
-}
-
 template <SoftmaxKind kind>
-at::Tensor masked_backward_with_autograd(const at::Tensor& grad, const at::Tensor& saved,
-                                         const at::Tensor& stats,
-                                         const std::optional<at::Tensor>& mask) {
+at::Tensor backward_with_autograd(const at::Tensor& grad, const at::Tensor& saved,
+                                  const at::Tensor& stats, const std::optional<at::Tensor>& mask) {
   return BackwardOpFunction<kind>::apply(grad, saved, stats, mask)[0];
 }
 
@@ -136,10 +126,10 @@ TORCH_LIBRARY_IMPL(nanfree, Autograd, m) {
   m.impl("softmax_lastdim", &forward_with_autograd<SoftmaxKind::Softmax>);
   m.impl("log_softmax_lastdim", &forward_with_autograd<SoftmaxKind::LogSoftmax>);
   m.impl("logsumexp_lastdim", &forward_with_autograd<SoftmaxKind::LogSumExp>);
-  m.impl("softmax_lastdim_backward", &softmax_backward_with_autograd);
-  m.impl("log_softmax_lastdim_backward",
-         &masked_backward_with_autograd<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_lastdim_backward", &masked_backward_with_autograd<SoftmaxKind::LogSumExp>);
+  m.impl("softmax_lastdim_backward",
+         &backward_without_mask<&backward_with_autograd<SoftmaxKind::Softmax>>);
+  m.impl("log_softmax_lastdim_backward", &backward_with_autograd<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_lastdim_backward", &backward_with_autograd<SoftmaxKind::LogSumExp>);
 }
 
 }  // namespace nanfree

@@ -112,8 +112,21 @@ struct ForwardArgs {
   RowsCols shape;
 };
 
-inline ForwardArgs prepare_forward(const char* op, SoftmaxKind kind, const at::Tensor& input,
+// The op's name in error messages.
+constexpr const char* op_name(SoftmaxKind kind) {
+  return kind == SoftmaxKind::Softmax      ? "softmax"
+         : kind == SoftmaxKind::LogSoftmax ? "log_softmax"
+                                           : "logsumexp";
+}
+constexpr const char* backward_op_name(SoftmaxKind kind) {
+  return kind == SoftmaxKind::Softmax      ? "softmax_backward"
+         : kind == SoftmaxKind::LogSoftmax ? "log_softmax_backward"
+                                           : "logsumexp_backward";
+}
+
+inline ForwardArgs prepare_forward(SoftmaxKind kind, const at::Tensor& input,
                                    const std::optional<at::Tensor>& mask) {
+  const char* op = op_name(kind);
   check_float_input(op, "input", input);
   if (mask.has_value()) check_mask(op, input, *mask);
   ForwardArgs args;
@@ -138,9 +151,10 @@ struct BackwardArgs {
   RowsCols shape;
 };
 
-inline BackwardArgs prepare_backward(const char* op, SoftmaxKind kind, const at::Tensor& grad,
+inline BackwardArgs prepare_backward(SoftmaxKind kind, const at::Tensor& grad,
                                      const at::Tensor& saved, const at::Tensor& stats,
                                      const std::optional<at::Tensor>& mask) {
+  const char* op = backward_op_name(kind);
   check_float_input(op, "grad_output", grad);
   check_float_input(op, "saved", saved);
   TORCH_CHECK(grad.scalar_type() == saved.scalar_type(), "nanfree.", op, ": `grad_output` dtype ",
@@ -163,6 +177,16 @@ inline BackwardArgs prepare_backward(const char* op, SoftmaxKind kind, const at:
   args.mask = make_mask_view(mask, args.mask_storage);
   args.shape = rows_cols(args.saved);
   return args;
+}
+
+// softmax's backward op takes no mask (a dropped entry's output is 0): a
+// binding's masked backward serves it with no mask.
+using MaskedBackward = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&);
+template <MaskedBackward backward>
+at::Tensor backward_without_mask(const at::Tensor& grad, const at::Tensor& output,
+                                 const at::Tensor& stats) {
+  return backward(grad, output, stats, std::nullopt);
 }
 
 }  // namespace nanfree

@@ -314,9 +314,9 @@ void forward_kernel(const ForwardArgs& args) {
 }
 
 template <SoftmaxKind kind>
-std::tuple<at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& input,
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input,
                                            const std::optional<at::Tensor>& mask) {
-  const ForwardArgs args = prepare_forward(op, kind, input, mask);
+  const ForwardArgs args = prepare_forward(kind, input, mask);
   if (args.stats.numel() == 0) return {args.output, args.stats};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_softmax_forward", [&] {
@@ -454,9 +454,9 @@ void backward_kernel(const BackwardArgs& args) {
 }
 
 template <SoftmaxKind kind>
-at::Tensor backward(const char* op, const at::Tensor& grad, const at::Tensor& saved,
-                    const at::Tensor& stats, const std::optional<at::Tensor>& mask) {
-  const BackwardArgs args = prepare_backward(op, kind, grad, saved, stats, mask);
+at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
+                    const std::optional<at::Tensor>& mask) {
+  const BackwardArgs args = prepare_backward(kind, grad, saved, stats, mask);
   if (args.grad_input.numel() == 0) return args.grad_input;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.saved.scalar_type(),
                                   "nanfree_softmax_backward", [&] {
@@ -465,42 +465,15 @@ at::Tensor backward(const char* op, const at::Tensor& grad, const at::Tensor& sa
   return args.grad_input;
 }
 
-std::tuple<at::Tensor, at::Tensor> softmax_lastdim(const at::Tensor& input,
-                                                   const std::optional<at::Tensor>& mask) {
-  return forward<SoftmaxKind::Softmax>("softmax", input, mask);
-}
-std::tuple<at::Tensor, at::Tensor> log_softmax_lastdim(const at::Tensor& input,
-                                                       const std::optional<at::Tensor>& mask) {
-  return forward<SoftmaxKind::LogSoftmax>("log_softmax", input, mask);
-}
-std::tuple<at::Tensor, at::Tensor> logsumexp_lastdim(const at::Tensor& input,
-                                                     const std::optional<at::Tensor>& mask) {
-  return forward<SoftmaxKind::LogSumExp>("logsumexp", input, mask);
-}
-at::Tensor softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
-                                    const at::Tensor& stats) {
-  return backward<SoftmaxKind::Softmax>("softmax_backward", grad, output, stats, std::nullopt);
-}
-at::Tensor log_softmax_lastdim_backward(const at::Tensor& grad, const at::Tensor& output,
-                                        const at::Tensor& stats,
-                                        const std::optional<at::Tensor>& mask) {
-  return backward<SoftmaxKind::LogSoftmax>("log_softmax_backward", grad, output, stats, mask);
-}
-at::Tensor logsumexp_lastdim_backward(const at::Tensor& grad, const at::Tensor& input,
-                                      const at::Tensor& stats,
-                                      const std::optional<at::Tensor>& mask) {
-  return backward<SoftmaxKind::LogSumExp>("logsumexp_backward", grad, input, stats, mask);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
-  m.impl("softmax_lastdim", &softmax_lastdim);
-  m.impl("log_softmax_lastdim", &log_softmax_lastdim);
-  m.impl("logsumexp_lastdim", &logsumexp_lastdim);
-  m.impl("softmax_lastdim_backward", &softmax_lastdim_backward);
-  m.impl("log_softmax_lastdim_backward", &log_softmax_lastdim_backward);
-  m.impl("logsumexp_lastdim_backward", &logsumexp_lastdim_backward);
+  m.impl("softmax_lastdim", &forward<SoftmaxKind::Softmax>);
+  m.impl("log_softmax_lastdim", &forward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_lastdim", &forward<SoftmaxKind::LogSumExp>);
+  m.impl("softmax_lastdim_backward", &backward_without_mask<&backward<SoftmaxKind::Softmax>>);
+  m.impl("log_softmax_lastdim_backward", &backward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_lastdim_backward", &backward<SoftmaxKind::LogSumExp>);
 }
 
 }  // namespace nanfree
