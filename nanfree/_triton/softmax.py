@@ -184,47 +184,30 @@ def _forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols,
 
 
 @triton.jit
-def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
-                             ms1, ms2, mst0, mst1, mst2, mask_col_stride,
-                             HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-                             SINGLE_BLOCK: tl.constexpr):
-    # The mask arguments are unused: a dropped entry has y = 0 and so gradient 0.
-    ACC: tl.constexpr = stats_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    go_row = go_ptr + row * n_cols
-    y_row = y_ptr + row * n_cols
-    gi_row = gi_ptr + row * n_cols
-    has_grad = row_has_gradient(tl.load(stats_ptr + 2 * row), tl.load(stats_ptr + 2 * row + 1))
-    cols = tl.arange(0, BLOCK)
-    out_ty = gi_ptr.dtype.element_ty
-    if SINGLE_BLOCK:
-        inside = cols < n_cols
-        g = tl.load(go_row + cols, mask=inside, other=0.0).to(ACC)
-        y = tl.load(y_row + cols, mask=inside, other=0.0).to(ACC)
-        grad = softmax_grad_value(g, y, tl.sum(g * y, axis=0))
-        tl.store(gi_row + cols, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+def _row_sum_term(g, y, keep, MODE: tl.constexpr):
+    """What the backward sums over a row: g * y for softmax (a dropped entry has
+    y = 0), the kept g for log_softmax."""
+    if MODE == SOFTMAX:
+        return g * y
     else:
-        partial = tl.zeros([BLOCK], dtype=ACC)
-        for start in range(0, n_cols, BLOCK):
-            inside = start + cols < n_cols
-            g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
-            partial += g * y
-        dot = tl.sum(partial, axis=0)
-        for start in range(0, n_cols, BLOCK):
-            inside = start + cols < n_cols
-            g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
-            grad = softmax_grad_value(g, y, dot)
-            tl.store(gi_row + start + cols, tl.where(has_grad, grad, 0.0).to(out_ty),
-                     mask=inside)
+        return tl.where(keep, g, 0.0)
 
 
 @triton.jit
-def _log_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
-                                 ms1, ms2, mst0, mst1, mst2, mask_col_stride,
-                                 HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-                                 SINGLE_BLOCK: tl.constexpr):
+def _grad_value(g, y, row_sum, keep, MODE: tl.constexpr):
+    if MODE == SOFTMAX:
+        return softmax_grad_value(g, y, row_sum)
+    else:
+        return log_softmax_grad_value(g, y, row_sum, keep)
+
+
+@triton.jit
+def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
+                             ms1, ms2, mst0, mst1, mst2, mask_col_stride,
+                             HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                             SINGLE_BLOCK: tl.constexpr, MODE: tl.constexpr):
+    """Backward of softmax (MODE SOFTMAX, called without a mask) or log_softmax
+    (MODE LOG_SOFTMAX) from the output y: a row sum, then one value per entry."""
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     go_row = go_ptr + row * n_cols
@@ -239,21 +222,24 @@ def _log_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_c
         keep = _load_keep(mask_row, mask_col_stride, cols, n_cols, HAS_MASK)
         g = tl.load(go_row + cols, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_row + cols, mask=inside, other=0.0).to(ACC)
-        grad_sum = tl.sum(tl.where(keep, g, 0.0), axis=0)
-        grad = log_softmax_grad_value(g, y, grad_sum, keep)
+        row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)
+        grad = _grad_value(g, y, row_sum, keep, MODE)
         tl.store(gi_row + cols, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
     else:
         partial = tl.zeros([BLOCK], dtype=ACC)
-        for start in range(0, n_cols, BLOCK):
-            keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
-            partial += tl.load(go_row + start + cols, mask=keep, other=0.0).to(ACC)
-        grad_sum = tl.sum(partial, axis=0)
         for start in range(0, n_cols, BLOCK):
             inside = start + cols < n_cols
             keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
             g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
             y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
-            grad = log_softmax_grad_value(g, y, grad_sum, keep)
+            partial += _row_sum_term(g, y, keep, MODE)
+        row_sum = tl.sum(partial, axis=0)
+        for start in range(0, n_cols, BLOCK):
+            inside = start + cols < n_cols
+            keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
+            g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
+            grad = _grad_value(g, y, row_sum, keep, MODE)
             tl.store(gi_row + start + cols, tl.where(has_grad, grad, 0.0).to(out_ty),
                      mask=inside)
 
@@ -364,7 +350,7 @@ def logsumexp_lastdim(input, mask=None):
     return _forward(input, mask, LOGSUMEXP, "logsumexp")
 
 
-def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad):
+def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad, **meta):
     """Checks the operands and launches one backward kernel program per row.
 
     ``saved`` is the forward's output (softmax, log_softmax) or input
@@ -374,7 +360,8 @@ def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad):
     if saved.dim() == 0:  # one row of one entry
         row = saved.reshape(1)
         g = grad_output.reshape(row.shape[:-1] if per_row_grad else row.shape)
-        return _backward(op, kernel, g, row, stats, _as_row(mask), per_row_grad).reshape(())
+        return _backward(op, kernel, g, row, stats, _as_row(mask), per_row_grad,
+                         **meta).reshape(())
     g, saved, stats = grad_output.contiguous(), saved.contiguous(), stats.contiguous()
     grad_input = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     n_rows, n_cols = _rows(saved), saved.shape[-1]
@@ -386,20 +373,20 @@ def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad):
         kernel[(n_rows,)](
             g, saved, stats, grad_input, m, n_cols, sizes[1], sizes[2], strides[0], strides[1],
             strides[2], col_stride, HAS_MASK=has_mask, BLOCK=block, SINGLE_BLOCK=single,
-            num_warps=num_warps)
+            num_warps=num_warps, **meta)
     return grad_input
 
 
 def softmax_lastdim_backward(grad_output, output, stats):
     """y * (g - sum(g * y)); 0 for rows without gradient."""
     return _backward("softmax_backward", _softmax_backward_kernel, grad_output, output, stats,
-                     None, per_row_grad=False)
+                     None, per_row_grad=False, MODE=SOFTMAX)
 
 
 def log_softmax_lastdim_backward(grad_output, output, stats, mask=None):
     """g - exp(y) * sum(kept g); 0 where dropped and for rows without gradient."""
-    return _backward("log_softmax_backward", _log_softmax_backward_kernel, grad_output, output,
-                     stats, mask, per_row_grad=False)
+    return _backward("log_softmax_backward", _softmax_backward_kernel, grad_output, output,
+                     stats, mask, per_row_grad=False, MODE=LOG_SOFTMAX)
 
 
 def logsumexp_lastdim_backward(grad_output, input, stats, mask=None):
