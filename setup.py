@@ -19,7 +19,6 @@ import os
 import platform
 import shutil
 import subprocess
-import subprocess
 
 from setuptools import find_packages, setup
 
@@ -103,6 +102,16 @@ def _cpu_isa_flags():
     raise SystemExit(f"NANFREE_CPU_ISA must be auto, avx2, avx512 or default, got {isa!r}")
 
 
+def _openmp_flags():
+    """at::parallel_for runs its body on one thread unless the file that calls
+    it is compiled with OpenMP (ATen's header checks _OPENMP). Linking
+    libgomp.so.1 by its soname reuses the copy torch has already loaded, so
+    both share one thread pool and torch.set_num_threads applies."""
+    if not torch.backends.openmp.is_available() or platform.system() != "Linux":
+        return []
+    return ["-fopenmp"]
+
+
 def _cuda_extension():
     if _cuda_mode == "0":
         return None
@@ -149,7 +158,8 @@ ext_modules = [
                  include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS}),
     CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
-                 extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags()}),
+                 extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags() + _openmp_flags()},
+                 extra_link_args=_openmp_flags()),
 ]
 _cuda = _cuda_extension()
 if _cuda is not None:
