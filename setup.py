@@ -1,6 +1,8 @@
 """Builds nanfree's C++ extensions.
 
-- ``nanfree._C``: every operator schema (csrc/registration.cpp). Always built.
+- ``nanfree._C``: every operator schema (csrc/registration.cpp), the autograd and
+  autocast kernels shared by every backend, and the Python entry points of nanfree.ops
+  (csrc/*.cpp). Always built.
 - ``nanfree._C_cpu``: the CPU kernels (csrc/cpu). Always built.
 - ``nanfree._C_cuda``: the CUDA kernels (csrc/cuda). Built when torch has CUDA and
   ``nvcc`` is found, also on a machine without a GPU (compile and link only).
@@ -153,8 +155,8 @@ def _cuda_extension():
 
 
 ext_modules = [
-    # Schemas and the autograd of every op: device-independent, loaded first.
-    CppExtension("nanfree._C", ["csrc/registration.cpp", "csrc/softmax_autograd.cpp"],
+    # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
+    CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
                  include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS}),
     CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,

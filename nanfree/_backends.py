@@ -8,7 +8,9 @@ implementation; any other device uses the pure-PyTorch implementation.
 device it can run on; import fails if it is not available at all, and a tensor
 on a device the forced backend cannot serve gets a clear error at call time.
 ``triton`` serves CPU tensors only under ``TRITON_INTERPRET=1`` (Triton's
-interpreter), which is how the Triton kernels are tested without a GPU.
+interpreter), which is how the Triton kernels are tested without a GPU, and
+CUDA tensors only without it (compiled Triton): the interpreter is never used
+for CUDA tensors.
 """
 
 import importlib
@@ -63,6 +65,25 @@ def _interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Triton's mode is fixed when the kernels are defined, from TRITON_INTERPRET
+# then; nanfree chooses its backends from the same variable when it is imported.
+_INTERPRETING = _interpreting()
+_INTERPRETER_REFUSES_CUDA = (
+    "TRITON_INTERPRET=1 runs Triton's interpreter, which nanfree uses for CPU tensors only; "
+    "unset it to run the compiled Triton kernels on CUDA tensors"
+)
+
+
+def triton_mode():
+    """'interpreted' or 'compiled': how nanfree's Triton kernels run in this process."""
+    import sys
+
+    module = sys.modules.get("nanfree._triton.softmax")
+    if module is not None:  # defined already: ask the kernels themselves
+        return "interpreted" if module.kernels_interpreted() else "compiled"
+    return "interpreted" if _interpreting() else "compiled"
+
+
 def forced_backend():
     value = os.environ.get("NANFREE_BACKEND", "").strip().lower()
     if not value:
@@ -74,12 +95,15 @@ def forced_backend():
     return value
 
 
-_problem = _load_extension("_C")
-if _problem is not None:
+try:
+    # The operator schemas, the autograd and autocast kernels and the fast
+    # Python entry points of nanfree.ops (registered when the library loads).
+    from . import _C
+except ImportError as error:
     raise ImportError(
-        f"{_problem}: build nanfree with `pip install --no-build-isolation .` "
-        "(the operator schemas live in the C++ extension)"
-    )
+        f"nanfree._C could not be imported ({error}): build nanfree with "
+        "`pip install --no-build-isolation .` (the operator schemas live in the C++ extension)"
+    ) from error
 for _family in FAMILIES.values():
     _family.register()
 
@@ -102,6 +126,8 @@ def _choose():
         cuda_problem = _load_extension("_C_cuda")
         PROBLEMS["cuda"] = cuda_problem
         PROBLEMS["triton"] = _triton_problem()
+        if PROBLEMS["triton"] is None and _INTERPRETING:
+            PROBLEMS["triton"] = _INTERPRETER_REFUSES_CUDA
         if cuda_problem is None:
             SERVING["cuda"] = "cuda"
         elif PROBLEMS["triton"] is None:
@@ -117,12 +143,13 @@ def _choose():
         SERVING.update(cuda="cuda", cpu="NANFREE_BACKEND=cuda does not serve CPU tensors")
     elif _FORCED == "triton":
         _require("triton", _triton_problem())
-        SERVING["cuda"] = "triton"
-        SERVING["cpu"] = (
-            "triton"
-            if _interpreting()
-            else "NANFREE_BACKEND=triton serves CPU tensors only with TRITON_INTERPRET=1"
-        )
+        if _INTERPRETING:
+            SERVING.update(cpu="triton", cuda=f"NANFREE_BACKEND=triton with {_INTERPRETER_REFUSES_CUDA}")
+        else:
+            SERVING.update(
+                cuda="triton",
+                cpu="NANFREE_BACKEND=triton serves CPU tensors only with TRITON_INTERPRET=1",
+            )
     else:
         SERVING.update(cpu="torch", cuda="torch")
 
@@ -137,13 +164,18 @@ def _refusing_kernel(message):
 def _lazy_kernel(module_name, name):
     """Imports the implementation on first call (importing triton takes a while)."""
 
+    resolved = []
+
     def kernel(*args):
-        return getattr(importlib.import_module(module_name), name)(*args)
+        if not resolved:
+            resolved.append(getattr(importlib.import_module(module_name), name))
+        return resolved[0](*args)
 
     kernel.__name__ = name
     return kernel
 
 
+# backend -> module holding one Python function per op, named as the op.
 _MODULES = {"triton": "nanfree._triton.softmax", "torch": "nanfree._torch_backend.softmax"}
 
 
@@ -175,7 +207,8 @@ def backend_info():
     serving["other devices"] = _DESCRIPTIONS["torch"]
     return {
         "NANFREE_BACKEND": _FORCED or "(not set: automatic)",
-        "TRITON_INTERPRET": _interpreting(),
+        "TRITON_INTERPRET": _INTERPRETING,
+        "triton": triton_mode(),
         "cuda_available": torch.cuda.is_available(),
         "ops": {family: dict(serving) for family in FAMILIES},
         "unavailable": {name: why for name, why in PROBLEMS.items() if why is not None},

@@ -1,4 +1,5 @@
-"""The [rows, cols] layout of a softmax mask, as MaskView in softmax_math.h.
+"""The [rows, cols] layout of a softmax mask, as MaskView in softmax_math.h
+(built like make_mask_view in csrc/common/softmax_op.h).
 
 Pure torch (no Triton), so every Python backend can share it.
 """
@@ -21,18 +22,21 @@ def _collapse(mask: torch.Tensor):
     return sizes, strides
 
 
-def mask_layout(mask: torch.Tensor):
-    """Describe a mask of the input's shape (any strides, 0 for broadcast).
+def mask_layout(mask: torch.Tensor, dim: int = -1):
+    """Describe a mask of the input's shape (any strides, 0 for broadcast),
+    reduced over `dim`.
 
-    Returns (mask_tensor, sizes3, strides3, col_stride): row r of the
-    [rows, cols] problem starts at element offset
-    i0 * strides3[0] + i1 * strides3[1] + i2 * strides3[2] of mask_tensor, with
-    r split row-major as (i0, i1, i2) over sizes3, and column j adds
-    j * col_stride. The mask is copied (made contiguous) only when its leading
-    dims do not collapse to three.
+    The reduced dim is moved last (a view), so row r = o * inner + i of the
+    [outer, cols, inner] problem is the row-major index over the other dims.
+    Returns (mask_tensor, sizes3, strides3, col_stride): row r starts at
+    element offset i0 * strides3[0] + i1 * strides3[1] + i2 * strides3[2] of
+    mask_tensor, with r split row-major as (i0, i1, i2) over sizes3, and
+    column j adds j * col_stride. The mask is copied (made contiguous, with
+    `dim` last) only when its other dims do not collapse to three.
     """
     if mask.dim() == 0:
         return mask, (1, 1, 1), (0, 0, 0), 0
+    mask = mask.movedim(dim, -1)
     sizes, strides = _collapse(mask)
     if len(sizes) > 3:
         mask = mask.contiguous()

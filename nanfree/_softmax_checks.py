@@ -1,49 +1,100 @@
-"""Op-level argument checks of the softmax-family ops for the Python backends
-(Triton, pure PyTorch): the same errors, with the same words, as the C++ checks
-in csrc/common/softmax_op.h."""
+"""Op-level argument checks and shapes of the softmax-family ops for the Python
+backends (Triton, pure PyTorch): the same errors, with the same words and
+exception types, as the C++ checks in csrc/common/softmax_op.h."""
+
+import math
 
 import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check(ok, op, message):
-    # Same messages (and RuntimeError) as the C++ op-level checks in softmax_op.h.
-    if not ok:
-        raise RuntimeError(f"nanfree.{op}: {message}")
-
-
 def check_float(op, name, t):
-    _check(t.dtype in _FLOATS, op,
-           f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(
+            f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
-def check_mask(op, ref, mask):
+def _check_device(op, name, ref, t):
+    if t.device != ref.device:
+        raise ValueError(f"nanfree.{op}: `{name}` is on {t.device} but `input` is on {ref.device}")
+
+
+def wrap_dim(op, t, dim):
+    """`dim` in [0, rank) (a 0-d tensor counts as one dimension), else IndexError."""
+    rank = max(t.dim(), 1)
+    if not -rank <= dim < rank:
+        raise IndexError(
+            f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {t.dim()} dimensions")
+    return dim % rank
+
+
+def _broadcasts_to(src, dst):
+    if len(src) > len(dst):
+        return False
+    lead = len(dst) - len(src)
+    return all(s in (1, dst[lead + d]) for d, s in enumerate(src))
+
+
+def broadcast_mask(op, ref, mask):
+    """The mask as a bool tensor of ref's shape (an expanded view), or None."""
     if mask is None:
-        return
-    _check(mask.dtype == torch.bool, op, "`mask` must be bool at the op level "
-           f"(nanfree.ops converts integer masks), got {mask.dtype}")
-    _check(mask.shape == ref.shape, op, f"`mask` must have the input's shape "
-           f"{list(ref.shape)} (nanfree.ops broadcasts it), got {list(mask.shape)}")
-    _check(mask.device == ref.device, op,
-           f"`mask` is on {mask.device} but the input is on {ref.device}")
+        return None
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"nanfree.{op}: `mask` must be bool or integer (nonzero = keep), "
+                        f"got {mask.dtype}")
+    _check_device(op, "mask", ref, mask)
+    if not _broadcasts_to(mask.shape, ref.shape):
+        raise ValueError(f"nanfree.{op}: `mask` of shape {list(mask.shape)} does not broadcast "
+                         f"to the input's shape {list(ref.shape)}")
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    return keep.expand(ref.shape)
 
 
-def check_backward(op, grad, saved, stats, mask, grad_shape):
+def problem_shape(t, dim):
+    """(outer, cols, inner) of a tensor reduced over `dim` (softmax_math.h's SoftmaxShape)."""
+    if t.dim() == 0:
+        return 1, 1, 1
+    return math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1:])
+
+
+def row_shape(t, dim):
+    """The input's shape without `dim` (logsumexp's output)."""
+    return t.shape[:dim] + t.shape[dim + 1:] if t.dim() else t.shape
+
+
+def stats_shape(t, dim):
+    """The input's shape with `dim` of size 2 holding (max, log_sum); [2] for a 0-d input."""
+    if t.dim() == 0:
+        return (2,)
+    return (*t.shape[:dim], 2, *t.shape[dim + 1:])
+
+
+def check_forward(op, input, dim, mask):
+    """-> (dim wrapped, mask as bool of the input's shape or None)."""
+    check_float(op, "input", input)
+    dim = wrap_dim(op, input, dim)
+    return dim, broadcast_mask(op, input, mask)
+
+
+def check_backward(op, grad, saved, stats, dim, mask, per_row_grad):
+    """-> (dim wrapped, mask as bool of the saved tensor's shape or None)."""
     check_float(op, "grad_output", grad)
     check_float(op, "saved", saved)
-    _check(grad.dtype == saved.dtype, op, f"`grad_output` dtype {grad.dtype} differs from "
-           f"the saved tensor's {saved.dtype}")
-    _check(grad.shape == grad_shape, op,
-           f"`grad_output` has shape {list(grad.shape)}, expected {list(grad_shape)}")
-    _check(stats.shape == (*saved.shape[:-1], 2) and stats.dtype == acc_dtype(saved.dtype),
-           op, "`stats` must be the forward's saved row statistics")
+    dim = wrap_dim(op, saved, dim)
+    if grad.dtype != saved.dtype:
+        raise TypeError(f"nanfree.{op}: `grad_output` dtype {grad.dtype} differs from the saved "
+                        f"tensor's {saved.dtype}")
+    expected = row_shape(saved, dim) if per_row_grad else saved.shape
+    if grad.shape != expected:
+        raise ValueError(f"nanfree.{op}: `grad_output` has shape {list(grad.shape)}, expected "
+                         f"{list(expected)}")
+    if stats.shape != stats_shape(saved, dim) or stats.dtype != acc_dtype(saved.dtype):
+        raise ValueError(f"nanfree.{op}: `stats` must be the forward's saved row statistics")
     for name, t in (("grad_output", grad), ("stats", stats)):
-        _check(t.device == saved.device, op,
-               f"`{name}` is on {t.device} but the input is on {saved.device}")
-    check_mask(op, saved, mask)
+        _check_device(op, name, saved, t)
+    return dim, broadcast_mask(op, saved, mask)

@@ -24,6 +24,15 @@ DEVICES = [
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backend_independent: calls no kernel of the backend under test (argument checks in "
+        "Python, registrations, subprocesses with an environment of their own); scripts/test.sh "
+        "runs these in its first pass only",
+    )
+
+
 def pytest_report_header(config):
     info = nanfree.backend_info()
     return [f"nanfree backends: {info['ops']['softmax']} (NANFREE_BACKEND={info['NANFREE_BACKEND']})"]

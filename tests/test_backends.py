@@ -1,5 +1,10 @@
-"""Backend selection: NANFREE_BACKEND, backend_info() and clear refusals."""
+"""Backend selection: NANFREE_BACKEND, backend_info() and clear refusals. The
+tests that start a Python of their own (with its own environment) test no
+kernel of this pass's backend: they are marked backend_independent."""
 
+import glob
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +15,10 @@ import torch
 import nanfree
 import nanfree.nn as nfnn
 import nanfree.ops as nf
+from conftest import INTERPRETED
 from nanfree._backends import SERVING
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _python(code, **env):
@@ -27,12 +35,69 @@ def test_backend_info_names_every_device():
     assert SERVING["cpu"] in serving["cpu"] or serving["cpu"].startswith("refused")
 
 
+def test_backend_info_says_how_triton_runs():
+    info = nanfree.backend_info()
+    assert info["triton"] in ("compiled", "interpreted")
+    assert (info["triton"] == "interpreted") == INTERPRETED
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and SERVING["cuda"] == "triton"),
+                    reason="Triton does not serve CUDA tensors in this pass")
+def test_triton_on_cuda_tensors_is_compiled():
+    # A GPU pass whose Triton kernels ran in the interpreter (a test module
+    # that set TRITON_INTERPRET=1, say) would test the wrong thing, slowly.
+    from nanfree._triton import softmax as triton_softmax
+
+    assert not triton_softmax.kernels_interpreted()
+    assert nanfree.backend_info()["triton"] == "compiled"
+
+
+@pytest.mark.backend_independent
+def test_interpreter_never_serves_cuda_tensors():
+    code = (
+        "import json, nanfree\n"
+        "info = nanfree.backend_info()\n"
+        "print(json.dumps([info['ops']['softmax']['cuda'], info['unavailable'].get('triton')]))\n"
+    )
+    forced = _python(code, NANFREE_BACKEND="triton", TRITON_INTERPRET="1")
+    assert forced.returncode == 0, forced.stderr
+    cuda, _ = json.loads(forced.stdout)
+    assert cuda.startswith("refused") and "interpreter" in cuda
+    automatic = _python(code, TRITON_INTERPRET="1")
+    assert automatic.returncode == 0, automatic.stderr
+    cuda, why = json.loads(automatic.stdout)
+    assert not cuda.startswith("triton") and "interpreter" in why
+
+
+@pytest.mark.backend_independent
+def test_no_test_module_changes_the_environment():
+    # Each pass of scripts/test.sh tests the backend it names only if no module
+    # it imports changes the process's environment (TRITON_INTERPRET above all).
+    modules = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "test_*.py")))
+    code = (
+        "import importlib, os, sys\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "before = dict(os.environ)\n"
+        f"for name in {modules!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except BaseException:\n"
+        "        pass  # a module may skip itself; what it did to os.environ still counts\n"
+        "    changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
+        "    assert not changed, f'{name} changed {sorted(changed)}'\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.backend_independent
 def test_unknown_backend_is_refused():
     result = _python("import nanfree", NANFREE_BACKEND="magic")
     assert result.returncode != 0
     assert "NANFREE_BACKEND='magic' is not one of cpu, cuda, triton, torch" in result.stderr
 
 
+@pytest.mark.backend_independent
 def test_forced_torch_backend_serves_cpu():
     code = (
         "import torch, nanfree, nanfree.ops as nf\n"
@@ -44,6 +109,7 @@ def test_forced_torch_backend_serves_cpu():
     assert result.stdout.strip() == "[[0.0, 0.0, 0.0]]"
 
 
+@pytest.mark.backend_independent
 def test_forced_triton_without_interpreter_refuses_cpu_tensors():
     code = (
         "import torch, nanfree.ops as nf\n"
@@ -57,7 +123,8 @@ def test_forced_triton_without_interpreter_refuses_cpu_tensors():
     assert "serves CPU tensors only with TRITON_INTERPRET=1" in result.stdout
 
 
-@pytest.mark.skipif(nanfree.backend_info()["unavailable"].get("cuda") is None,
+@pytest.mark.backend_independent
+@pytest.mark.skipif(importlib.util.find_spec("nanfree._C_cuda") is not None,
                     reason="the CUDA extension is built here")
 def test_forced_cuda_without_extension_fails_loudly():
     result = _python("import nanfree", NANFREE_BACKEND="cuda")

@@ -66,9 +66,19 @@ def test_non_tensor_input():
 
 
 def test_op_level_checks():
-    # The registered ops check their own arguments too (for direct callers).
+    # The registered ops check their own arguments too (for direct callers),
+    # with the same errors on every backend.
     x = torch.randn(2, 3)
-    with pytest.raises(RuntimeError, match="`mask` must have the input's shape"):
-        torch.ops.nanfree.softmax_lastdim(x, torch.ones(2, 1, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="`mask` must be bool"):
-        torch.ops.nanfree.softmax_lastdim(x, torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="nanfree.softmax: `mask` of shape"):
+        torch.ops.nanfree.softmax(x, -1, torch.ones(3, 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match="nanfree.log_softmax: `mask` must be bool or integer"):
+        torch.ops.nanfree.log_softmax(x, -1, torch.ones(2, 3))
+    with pytest.raises(IndexError, match="nanfree.logsumexp: `dim` 2 is out of range"):
+        torch.ops.nanfree.logsumexp(x, 2)
+    out, stats = torch.ops.nanfree.log_softmax(x, 0)
+    with pytest.raises(ValueError, match="`stats` must be the forward's saved row statistics"):
+        torch.ops.nanfree.log_softmax_backward(out, out, stats, 1)
+    with pytest.raises(ValueError, match="`grad_output` has shape"):
+        torch.ops.nanfree.softmax_backward(out[:1], out, stats, 0)
+    with pytest.raises(TypeError, match="`grad_output` dtype"):
+        torch.ops.nanfree.softmax_backward(out.double(), out, stats, 0)

@@ -25,20 +25,21 @@ def _layouts(rows, cols, gen):
     return {"dense": dense, "per_row": per_row, "shared_row": shared_row, "transposed": transposed}
 
 
-def _reference(op, x, mask):
+def _reference(op, x, mask, dim):
     """The op on x.masked_fill(~mask, -inf), and the leaf it was computed from."""
     filled = x.detach().masked_fill(~mask, -math.inf).requires_grad_(True)
-    out = getattr(nf, op)(filled, -1)
+    out = getattr(nf, op)(filled, dim)
     return out, filled
 
 
-def _compare(device, op, x, mask):
+def _compare(device, op, x, mask, dim=-1):
     x = x.to(device)
     mask = mask.to(device)
     # NaN where the mask drops an entry: a masked op must not see it.
-    x = x.masked_fill(~mask, math.nan).requires_grad_(True)
-    out = getattr(nf, op)(x, -1, mask=mask)
-    ref_out, ref_x = _reference(op, x, mask)
+    x = x.masked_fill(~mask.expand(x.shape), math.nan).requires_grad_(True)
+    out = getattr(nf, op)(x, dim, mask=mask)
+    mask = mask.expand(x.shape)
+    ref_out, ref_x = _reference(op, x, mask, dim)
     torch.testing.assert_close(out, ref_out, equal_nan=False)
     grad = torch.randn_like(out)
     (dx,) = torch.autograd.grad(out, x, grad)
@@ -75,3 +76,38 @@ def test_attention_style_mask(device, op):
     key_padding = torch.arange(keys)[None, :] < lengths[:, None]
     mask = key_padding[:, None, None, :].expand(batch, heads, queries, keys)
     _compare(device, op, x, mask)
+
+
+def _strided_layouts(cols, rows, gen):
+    """Masks of a [cols, rows] input reduced over dim 0 (each column a row of the problem)."""
+    dense = torch.rand(cols, rows, generator=gen) > 0.4
+    per_entry_of_every_row = torch.rand(cols, 1, generator=gen) > 0.4  # broadcast over rows
+    per_row = torch.rand(1, rows, generator=gen) > 0.3  # a flag per row: whole rows dropped
+    transposed = dense.t().contiguous().t()
+    return {"dense": dense, "shared_by_rows": per_entry_of_every_row, "per_row": per_row,
+            "transposed": transposed}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("layout", ["dense", "shared_by_rows", "per_row", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mask_layouts_over_a_leading_dim(device, op, layout, dtype):
+    # 37 rows: two vectors of lanes and a tail on the CPU.
+    gen = torch.Generator().manual_seed(7)
+    cols, rows = 45, 37
+    x = torch.randn(cols, rows, generator=gen, dtype=dtype) * 3
+    mask = _strided_layouts(cols, rows, gen)[layout]
+    _compare(device, op, x, mask, dim=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_key_padding_mask_over_a_middle_dim(device, op):
+    # Scores [batch, keys, heads] reduced over the keys with a [batch, keys, 1] padding mask.
+    gen = torch.Generator().manual_seed(3)
+    batch, keys, heads = 3, 21, 5
+    x = torch.randn(batch, keys, heads, generator=gen)
+    lengths = torch.tensor([keys, 9, 1])
+    mask = (torch.arange(keys)[None, :] < lengths[:, None])[:, :, None]
+    _compare(device, op, x, mask, dim=1)

@@ -35,21 +35,30 @@ def extreme_batches(draw):
     return x, mask
 
 
+def _strided(x, mask):
+    """The same rows laid out as columns: reduced over dim 0 of a contiguous tensor."""
+    return x.t().contiguous(), None if mask is None else mask.t().contiguous()
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@given(batch=extreme_batches(), op=st.sampled_from(["softmax", "log_softmax", "logsumexp"]))
-def test_extreme_inputs_never_give_nan(device, batch, op):
+@given(batch=extreme_batches(), op=st.sampled_from(["softmax", "log_softmax", "logsumexp"]),
+       strided=st.booleans())
+def test_extreme_inputs_never_give_nan(device, batch, op, strided):
     x, mask = batch
+    dim = -1
+    if strided:
+        (x, mask), dim = _strided(x, mask), 0
     x = x.to(device).requires_grad_(True)
     mask = None if mask is None else mask.to(device)
     fn = getattr(nf, op)
-    out = fn(x, -1, mask=mask)
+    out = fn(x, dim, mask=mask)
     assert not torch.isnan(out).any()
     grad = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=device).reshape(out.shape)
     (dx,) = torch.autograd.grad(out, x, grad)
     assert torch.isfinite(dx).all()
 
 
-def _errors(op, x, mask):
+def _errors(op, x, mask, dim=-1):
     """(nanfree error, torch error) against a float64 reference, forward and input gradient."""
     torch_fn = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
                 "logsumexp": torch.logsumexp}[op]
@@ -57,7 +66,7 @@ def _errors(op, x, mask):
     def run(fn, inp):
         inp = inp.detach().requires_grad_(True)
         masked = inp if mask is None else inp.masked_fill(~mask, -INF)
-        out = fn(masked, -1)
+        out = fn(masked, dim)
         g = torch.cos(torch.arange(out.numel(), device=out.device, dtype=torch.float64))
         g = g.reshape(out.shape).to(out.dtype)
         (dx,) = torch.autograd.grad(out, inp, g)
@@ -86,14 +95,18 @@ def _ulp_floor(dtype, scale):
     cols=st.integers(1, 300),
     seed=st.integers(0, 2**31 - 1),
     masked=st.booleans(),
+    strided=st.booleans(),
 )
-def test_error_at_most_twice_torch(device, dtype, op, scale, cols, seed, masked):
+def test_error_at_most_twice_torch(device, dtype, op, scale, cols, seed, masked, strided):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(3, cols, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
     mask = (torch.rand(3, cols, generator=gen) > 0.3).to(device) if masked else None
     if mask is not None:
         mask[:, 0] = True  # keep rows non-empty, where torch is finite
-    (n_out, t_out), (n_dx, t_dx) = _errors(op, x, mask)
+    dim = -1
+    if strided:
+        (x, mask), dim = _strided(x, mask), 0
+    (n_out, t_out), (n_dx, t_dx) = _errors(op, x, mask, dim)
     magnitude = x.double().abs().max().item()
     floor = _ulp_floor(dtype, magnitude)
     assert n_out <= 2 * t_out + floor, f"forward error {n_out} vs torch {t_out}"

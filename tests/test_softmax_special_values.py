@@ -54,10 +54,8 @@ OPS = ["softmax", "log_softmax", "logsumexp"]
 CASE_NAMES = list(_cases(torch.float32))
 
 
-def _run(op, x, mask):
-    if op == "logsumexp":
-        return nf.logsumexp(x, -1, mask=mask)
-    return getattr(nf, op)(x, -1, mask=mask)
+def _run(op, x, mask, dim=-1):
+    return getattr(nf, op)(x, dim, mask=mask)
 
 
 # Special values past the first 1024 entries of a long row: the CPU kernels
@@ -85,20 +83,48 @@ def _long_cases():
     }
 
 
-def _case_batch(case, dtype, device):
-    """The case row with a plain row below it, which the case must not disturb.
+# Where the case row sits: "last" reduces over the last dim of [2, cols] (the
+# case row, then a plain row it must not disturb); "strided" reduces over dim 0
+# of [cols, 19], the rows laid side by side, the case row in columns 0 and 17
+# (apart by more than a 16-wide vector) and plain rows elsewhere.
+LAYOUTS = ["last", "strided"]
+STRIDED_CASE_ROWS = (0, 17)
+STRIDED_ROWS = 19
 
-    Returns the input, the mask (or None) and, per row, the values as the
-    tensor holds them (rounded to dtype, as Python floats) with the row's keep
-    list, as the oracle takes them."""
+
+def _case_batch(case, dtype, device, layout="last"):
+    """The case row among plain rows, which the case must not disturb.
+
+    Returns the input, the mask (or None), the reduced dim and, per row, the
+    values as the tensor holds them (rounded to dtype, as Python floats) with
+    the row's keep list, as the oracle takes them."""
     row, keep = _long_cases()[case] if case in LONG_CASE_NAMES else _cases(dtype)[case]
     plain = [0.5 - 0.25 * i for i in range(len(row))]
-    x = torch.tensor([row, plain], dtype=dtype, device=device)
+    if layout == "last":
+        case_rows = (0,)
+        count = 2
+    else:
+        case_rows = STRIDED_CASE_ROWS
+        count = STRIDED_ROWS
+    values = [row if r in case_rows else plain for r in range(count)]
+    keeps = [keep if r in case_rows else None for r in range(count)]
+    x = torch.tensor(values, dtype=dtype)
     mask = None
     if keep is not None:
-        mask = torch.tensor([keep, [True] * len(row)], device=device)
-    rounded = torch.tensor([row, plain], dtype=dtype).double().tolist()
-    return x, mask, [(rounded[0], keep), (rounded[1], None)]
+        mask = torch.tensor([k if k is not None else [True] * len(row) for k in keeps])
+    rounded = x.double().tolist()
+    dim = -1
+    if layout == "strided":  # rows become columns of a contiguous [cols, rows] tensor
+        x, dim = x.t().contiguous(), 0
+        mask = None if mask is None else mask.t().contiguous()
+    x = x.to(device)
+    mask = None if mask is None else mask.to(device)
+    return x, mask, dim, list(zip(rounded, keeps))
+
+
+def _as_rows(t, layout):
+    """A result of the layout's shape as [rows, cols] (logsumexp results are already rows)."""
+    return t.t() if layout == "strided" and t.dim() == 2 else t
 
 
 def _holds_nan(values, keep):
@@ -109,47 +135,57 @@ def _holds_nan(values, keep):
 LONG_CASE_NAMES = list(_long_cases())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", CASE_NAMES + LONG_CASE_NAMES)
-def test_forward_table(case, op, dtype, device):
-    x, mask, rows = _case_batch(case, dtype, device)
-    out = _run(op, x, mask)
+def test_forward_table(case, op, dtype, layout, device):
+    x, mask, dim, rows = _case_batch(case, dtype, device, layout)
+    out = _as_rows(_run(op, x, mask, dim), layout)
     expected = [row_oracle(values, keep)[OPS.index(op)] for values, keep in rows]
     expected = torch.tensor(expected, dtype=torch.float64).to(dtype)
     assert out.dtype == dtype and out.device.type == device
     torch.testing.assert_close(out.cpu(), expected, equal_nan=True, **TOL[dtype])
-    if not _holds_nan(*rows[0]):
-        assert not torch.isnan(out).any(), f"NaN from non-NaN input in {case}"
+    for r, (values, keep) in enumerate(rows):
+        if not _holds_nan(values, keep):
+            assert not torch.isnan(out[r]).any(), f"NaN from non-NaN input in {case}, row {r}"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", CASE_NAMES + LONG_CASE_NAMES)
-def test_backward_table(case, op, dtype, device):
-    x, mask, rows = _case_batch(case, dtype, device)
-    cols = x.shape[-1]
+def test_backward_table(case, op, dtype, layout, device):
+    x, mask, dim, rows = _case_batch(case, dtype, device, layout)
+    count, cols = len(rows), len(rows[0][0])
     x.requires_grad_(True)
-    out = _run(op, x, mask)
+    out = _run(op, x, mask, dim)
     if op == "logsumexp":
-        grad = torch.tensor([1.5, -0.5], dtype=dtype, device=device)
+        grad_rows = torch.tensor([1.5 - r for r in range(count)], dtype=dtype)
+        grad = grad_rows.to(device)
     else:
-        grad = torch.tensor([[math.cos(0.5 * i) for i in range(cols)]] * 2, dtype=dtype, device=device)
+        grad_rows = torch.tensor([[math.cos(0.5 * i + r) for i in range(cols)] for r in range(count)],
+                                 dtype=dtype)
+        grad = (grad_rows.t().contiguous() if layout == "strided" else grad_rows).to(device)
     (dx,) = torch.autograd.grad(out, x, grad)
+    dx = _as_rows(dx, layout)
     for r, (values, keep) in enumerate(rows):
         if _holds_nan(values, keep):
             assert torch.isnan(dx[r]).all(), "a NaN input propagates to its own row's gradient"
             continue
-        assert torch.isfinite(dx[r]).all(), f"non-finite gradient in {case}: {dx[r]}"
-        g = grad[r].item() if op == "logsumexp" else grad[r].double().tolist()
+        assert torch.isfinite(dx[r]).all(), f"non-finite gradient in {case}, row {r}: {dx[r]}"
+        g = grad_rows[r].item() if op == "logsumexp" else grad_rows[r].double().tolist()
         expected = torch.tensor(row_grad_oracle(op, values, keep, g), dtype=torch.float64)
         # The backward of a half-precision op starts from its rounded output.
-        tol = TOL[dtype] if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+        tol = dict(TOL[dtype]) if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+        if op == "log_softmax":
+            # g - exp(y) * sum(g) carries the rounding of the stored y times |sum(g)|.
+            kept_sum = sum(gj for gj, k in zip(g, keep or [True] * cols) if k)
+            tol["atol"] = max(tol["atol"], 4 * torch.finfo(dtype).eps * abs(kept_sum))
         torch.testing.assert_close(dx[r].cpu().double(), expected, **tol)
-    keep = rows[0][1]
-    if keep is not None:
-        dropped = ~torch.tensor(keep, device=device)
-        assert (dx[0][dropped] == 0).all(), "a dropped entry's gradient is 0"
+        if keep is not None:
+            dropped = ~torch.tensor(keep, device=device)
+            assert (dx[r][dropped] == 0).all(), "a dropped entry's gradient is 0"
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])

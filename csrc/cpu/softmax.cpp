@@ -1,4 +1,5 @@
-// CPU kernels of the softmax family (last dimension), built on the shared
+// CPU kernels of the softmax family over the last dimension (another dimension:
+// softmax_strided.cpp), and the CPU registration of the family, built on the shared
 // numerics in csrc/include/nanfree. Rows run in parallel; inside a row the
 // finite fast path is vectorized with at::vec, masks are applied as selects
 // the compiler vectorizes, and the rows holding a special value (+inf, NaN,
@@ -19,12 +20,13 @@
 #include <vector>
 
 #include "common/softmax_op.h"
+#include "cpu/softmax_strided.h"
+#include "cpu/softmax_vec.h"
 
 namespace nanfree {
 namespace {
 
-template <typename T>
-using Vec = at::vec::Vectorized<T>;
+using namespace cpu;
 
 // Rows of a chunk are summarized with one vectorized max and one vectorized
 // exp-sum, then merged into the row's online state with lse_merge.
@@ -35,85 +37,6 @@ constexpr int64_t kGrainElements = 32768;
 
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1));
-}
-
-// exp of a shifted (<= 0) argument: ATen's exp_u20 for float (about 20 ulp,
-// as PyTorch's own softmax kernels use; results below FLT_MIN flush to 0,
-// which a sum that is at least 1 cannot see) and the 1-ulp exp for double.
-// exp_u20 clamps its argument and so turns NaN into a number: a result that
-// must stay NaN never goes through it (a dropped entry may, as its result is
-// then replaced by 0).
-template <typename acc_t>
-inline Vec<acc_t> shifted_exp(const Vec<acc_t>& v) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    return v.exp_u20();
-  } else {
-    return v.exp();
-  }
-}
-
-template <typename acc_t>
-acc_t vec_sum(const acc_t* a, int64_t n) {
-  return at::vec::reduce_all<acc_t>([](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, n);
-}
-
-template <typename acc_t>
-acc_t vec_dot(const acc_t* a, const acc_t* b, int64_t n) {
-  return at::vec::map2_reduce_all<acc_t>([](Vec<acc_t> x, Vec<acc_t> y) { return x * y; },
-                                         [](Vec<acc_t>& x, Vec<acc_t>& y) { return x + y; }, a, b, n);
-}
-
-// A per-task row of scratch in the accumulation type, left uninitialized:
-// every entry used is written first. Null when not needed.
-template <typename acc_t>
-std::unique_ptr<acc_t[]> scratch_row(int64_t n, bool needed) {
-  return std::unique_ptr<acc_t[]>(needed ? new acc_t[n] : nullptr);
-}
-
-// Where a row's result in the accumulation type goes: straight into the
-// output when the types agree, else into `buffer` (then store_row converts).
-template <typename scalar_t, typename acc_t>
-acc_t* acc_destination(scalar_t* dst, acc_t* buffer) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return dst;
-  } else {
-    return buffer;
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (src != dst) std::copy(src, src + n, dst);
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
-// float16 / bfloat16 to float with vector loads (ATen's at::vec::convert
-// widens them one element at a time).
-template <typename scalar_t>
-void widen(const scalar_t* src, float* dst, int64_t n) {
-  using V = Vec<float>;
-  int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) {
-    V v;
-    at::vec::load_to_float<scalar_t>(src + j, v);
-    v.store(dst + j);
-  }
-  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-// A row of the source in the accumulation type: the row itself for float and
-// double, else converted into `buffer`.
-template <typename scalar_t, typename acc_t>
-const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buffer) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return src;
-  } else {
-    widen(src, buffer, n);
-    return buffer;
-  }
 }
 
 // One row of a mask: entry j is kept when data[j * stride]; no data means
@@ -183,9 +106,6 @@ acc_t chunk_max(const acc_t* x, int64_t n) {
 
 // sum(exp(x - max)) over x[0..n) for a finite max, also writing each
 // exp(x - max) to exps[0..n) in the same pass.
-// Hot loops are flattened: GCC keeps ATen's exp_u20 out of line otherwise,
-// and a call per vector costs about a third of a short row's time.
-#define NANFREE_HOT_LOOP [[gnu::flatten]]
 
 template <typename acc_t>
 NANFREE_HOT_LOOP acc_t store_shifted_exps(const acc_t* x, acc_t max, acc_t* exps, int64_t n) {
@@ -238,7 +158,7 @@ void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
-  const int64_t rows = args.shape.rows, cols = args.shape.cols;
+  const int64_t rows = args.shape.outer, cols = args.shape.cols;
   const MaskView mask = args.mask;
   const scalar_t* in = args.input.const_data_ptr<scalar_t>();
   scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
@@ -314,10 +234,14 @@ void forward_kernel(const ForwardArgs& args) {
 }
 
 template <SoftmaxKind kind>
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input,
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
                                            const std::optional<at::Tensor>& mask) {
-  const ForwardArgs args = prepare_forward(kind, input, mask);
+  const ForwardArgs args = prepare_forward(kind, input, dim, mask);
   if (args.stats.numel() == 0) return {args.output, args.stats};
+  if (args.shape.inner > 1) {
+    strided_forward(kind, args);
+    return {args.output, args.stats};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_softmax_forward", [&] {
     forward_kernel<kind, scalar_t>(args);
@@ -357,7 +281,7 @@ template <SoftmaxKind kind, typename scalar_t>
 void backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
-  const int64_t rows = args.shape.rows, cols = args.shape.cols;
+  const int64_t rows = args.shape.outer, cols = args.shape.cols;
   const MaskView mask = args.mask;
   const scalar_t* g_all = args.grad.const_data_ptr<scalar_t>();
   const scalar_t* s_all = args.saved.const_data_ptr<scalar_t>();
@@ -455,9 +379,13 @@ void backward_kernel(const BackwardArgs& args) {
 
 template <SoftmaxKind kind>
 at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
-                    const std::optional<at::Tensor>& mask) {
-  const BackwardArgs args = prepare_backward(kind, grad, saved, stats, mask);
+                    int64_t dim, const std::optional<at::Tensor>& mask) {
+  const BackwardArgs args = prepare_backward(kind, grad, saved, stats, dim, mask);
   if (args.grad_input.numel() == 0) return args.grad_input;
+  if (args.shape.inner > 1) {
+    strided_backward(kind, args);
+    return args.grad_input;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.saved.scalar_type(),
                                   "nanfree_softmax_backward", [&] {
     backward_kernel<kind, scalar_t>(args);
@@ -468,12 +396,12 @@ at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::T
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
-  m.impl("softmax_lastdim", &forward<SoftmaxKind::Softmax>);
-  m.impl("log_softmax_lastdim", &forward<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_lastdim", &forward<SoftmaxKind::LogSumExp>);
-  m.impl("softmax_lastdim_backward", &backward_without_mask<&backward<SoftmaxKind::Softmax>>);
-  m.impl("log_softmax_lastdim_backward", &backward<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_lastdim_backward", &backward<SoftmaxKind::LogSumExp>);
+  m.impl("softmax", &forward<SoftmaxKind::Softmax>);
+  m.impl("log_softmax", &forward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp", &forward<SoftmaxKind::LogSumExp>);
+  m.impl("softmax_backward", &backward_without_mask<&backward<SoftmaxKind::Softmax>>);
+  m.impl("log_softmax_backward", &backward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_backward", &backward<SoftmaxKind::LogSumExp>);
 }
 
 }  // namespace nanfree

@@ -1,4 +1,4 @@
-// CUDA registration of the softmax family (last dimension). The argument
+// CUDA registration of the softmax family. The argument
 // checks, output allocation, contiguity handling and mask view are shared with
 // the CPU binding (csrc/common/softmax_op.h); the kernels live in the
 // torch-free softmax_kernels.cu behind the launchers of softmax_kernels.h.
@@ -49,12 +49,12 @@ device_t<scalar_t>* mutable_device_ptr(at::Tensor& t) {
 }
 
 template <SoftmaxKind kind>
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input,
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
                                            const std::optional<at::Tensor>& mask) {
   // Not a CUDAGuard: with a CPU input (mixed devices) it would throw before
   // the checks of prepare_forward can name the argument.
   const c10::OptionalDeviceGuard device_guard(input.device());
-  ForwardArgs args = prepare_forward(kind, input, mask);
+  ForwardArgs args = prepare_forward(kind, input, dim, mask);
   if (args.stats.numel() == 0) return {args.output, args.stats};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
@@ -62,17 +62,17 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input,
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
     C10_CUDA_CHECK(gpu::softmax_forward(kind, device_ptr<scalar_t>(args.input),
                                         mutable_device_ptr<scalar_t>(args.output),
-                                        args.stats.mutable_data_ptr<acc_t>(), args.shape.rows,
-                                        args.shape.cols, args.mask, stream));
+                                        args.stats.mutable_data_ptr<acc_t>(), args.shape,
+                                        args.mask, stream));
   });
   return {args.output, args.stats};
 }
 
 template <SoftmaxKind kind>
 at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& stats,
-                    const std::optional<at::Tensor>& mask) {
+                    int64_t dim, const std::optional<at::Tensor>& mask) {
   const c10::OptionalDeviceGuard device_guard(saved.device());  // as in forward
-  BackwardArgs args = prepare_backward(kind, grad, saved, stats, mask);
+  BackwardArgs args = prepare_backward(kind, grad, saved, stats, dim, mask);
   if (args.grad_input.numel() == 0) return args.grad_input;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.saved.scalar_type(),
@@ -82,13 +82,11 @@ at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::T
     if constexpr (kind == SoftmaxKind::LogSumExp) {
       C10_CUDA_CHECK(gpu::logsumexp_backward(
           device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.saved), row_stats,
-          mutable_device_ptr<scalar_t>(args.grad_input), args.shape.rows, args.shape.cols,
-          args.mask, stream));
+          mutable_device_ptr<scalar_t>(args.grad_input), args.shape, args.mask, stream));
     } else {
       C10_CUDA_CHECK(gpu::softmax_backward(
           kind, device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.saved), row_stats,
-          mutable_device_ptr<scalar_t>(args.grad_input), args.shape.rows, args.shape.cols,
-          args.mask, stream));
+          mutable_device_ptr<scalar_t>(args.grad_input), args.shape, args.mask, stream));
     }
   });
   return args.grad_input;
@@ -97,12 +95,12 @@ at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::T
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
-  m.impl("softmax_lastdim", &forward<SoftmaxKind::Softmax>);
-  m.impl("log_softmax_lastdim", &forward<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_lastdim", &forward<SoftmaxKind::LogSumExp>);
-  m.impl("softmax_lastdim_backward", &backward_without_mask<&backward<SoftmaxKind::Softmax>>);
-  m.impl("log_softmax_lastdim_backward", &backward<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_lastdim_backward", &backward<SoftmaxKind::LogSumExp>);
+  m.impl("softmax", &forward<SoftmaxKind::Softmax>);
+  m.impl("log_softmax", &forward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp", &forward<SoftmaxKind::LogSumExp>);
+  m.impl("softmax_backward", &backward_without_mask<&backward<SoftmaxKind::Softmax>>);
+  m.impl("log_softmax_backward", &backward<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_backward", &backward<SoftmaxKind::LogSumExp>);
 }
 
 }  // namespace nanfree

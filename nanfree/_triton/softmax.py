@@ -1,14 +1,39 @@
-"""Triton backend of softmax / log_softmax / logsumexp over the last dimension.
+"""Triton backend of the softmax family: softmax / log_softmax / logsumexp over
+one dimension, and their backward ops.
 
-The per-entry math mirrors csrc/include/nanfree/softmax_math.h function by
-function (same names); the row reduction uses the online logsumexp state of
-numerics.py. One program handles one row: a row of at most MAX_FUSED_COLS
-entries is loaded once and kept in registers, a longer one is streamed in
-blocks of LOOP_BLOCK columns twice (state, then outputs).
+One function per op, named and called as the ``nanfree::`` op
+(csrc/registration.cpp), with the argument checks of
+nanfree/_softmax_checks.py. The per-entry math mirrors
+csrc/include/nanfree/softmax_math.h function by function (same names); the row
+reduction uses the online logsumexp state of numerics.py.
+
+The contiguous input is viewed as [outer, cols, inner] (SoftmaxShape) and
+reduced over cols; row r = o * inner + i holds the entries (o, j, i) at
+element offset (o * cols + j) * inner + i (entry_offset).
+
+- inner == 1 (the last dim): one program per row. A row of at most
+  MAX_FUSED_COLS entries is loaded once and kept in registers, a longer one is
+  streamed in blocks of LOOP_BLOCK columns twice (state, then outputs).
+- inner > 1 (a strided dim), reduced in place (no movedim, no copy of a
+  contiguous tensor): one program per (o, block of BLOCK_I consecutive i),
+  loading tiles [BLOCK_J, BLOCK_I] that are contiguous along i (coalesced).
+  The forward keeps one online (max, sum) state per column i, merged tile by
+  tile with lse_merge, then writes the outputs in a second loop over the
+  tiles; a row that fits one tile (cols <= BLOCK_J) is loaded once. The
+  softmax / log_softmax backward loops over the tiles twice (row sums, then
+  gradients); the logsumexp backward is elementwise, one loop over the tiles.
+  BLOCK_I is min(next_pow2(inner), STRIDED_BLOCK_I), BLOCK_J is
+  min(next_pow2(cols), STRIDED_TILE // BLOCK_I).
 
 Each forward also returns the row statistics the backward uses (RowStats in
-softmax_math.h): a contiguous tensor of shape input.shape[:-1] + [2] holding
-(max, log(sum(exp(x - max)))), float32 (float64 for float64 input).
+softmax_math.h): the input's shape with `dim` of size 2 holding
+(max, log(sum(exp(x - max)))) along it (stats_offset), float32 (float64 for
+float64 input).
+
+The kernels run where the Triton of this process can run them: CPU tensors
+when they were defined under Triton's interpreter (TRITON_INTERPRET=1), CUDA
+tensors when compiled; any other tensor is refused with
+BackendUnavailableError before anything is launched.
 """
 
 from contextlib import nullcontext
@@ -17,23 +42,46 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backends import BackendUnavailableError
 from .._mask_layout import mask_layout
-from .._softmax_checks import acc_dtype, check_backward, check_float, check_mask
-from .numerics import lse_block_state, lse_merge, lse_scale, lse_value
+from .._softmax_checks import (acc_dtype, check_backward, check_forward, problem_shape,
+                               row_shape, stats_shape)
+from .numerics import lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # a Triton without an interpreter
+    _InterpretedFunction = None
 
 # Forward modes (kernel constexpr).
 SOFTMAX = tl.constexpr(0)
 LOG_SOFTMAX = tl.constexpr(1)
 LOGSUMEXP = tl.constexpr(2)
 
-# Block policy (module attributes, so tests may shrink them to reach the loop).
+# Block policy (module attributes, so tests may shrink them to reach the loops).
+# Last dim (inner == 1):
 MAX_FUSED_COLS = 8192
 LOOP_BLOCK = 4096
+# Strided dim (inner > 1): consecutive i per program, elements per tile.
+STRIDED_BLOCK_I = 64
+STRIDED_TILE = 4096
 
 
 # ---------------------------------------------------------------------------
 # Mirror of softmax_math.h
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def entry_offset(o, j, i, n_cols, inner):
+    """Element offset of entry (o, j, i) of the [outer, cols, inner] view."""
+    return (o * n_cols + j) * inner + i
+
+
+@triton.jit
+def stats_offset(o, k, i, inner):
+    """Element offset of the statistic k (0: max, 1: log_sum) of row (o, i)."""
+    return (o * 2 + k) * inner + i
 
 
 @triton.jit
@@ -102,34 +150,38 @@ def logsumexp_grad_value(g, x, row_max, log_sum, keep):
 
 
 # ---------------------------------------------------------------------------
-# Kernels
+# Helpers shared by the kernels (no special-value rule in here)
 # ---------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_keep(mask_row, mask_col_stride, cols, n_cols, HAS_MASK: tl.constexpr):
-    """Which columns of this block are real (in the row) and kept by the mask."""
-    keep = cols < n_cols
-    if HAS_MASK:
-        keep = keep & (tl.load(mask_row + cols * mask_col_stride, mask=keep, other=0) != 0)
-    return keep
-
-
-@triton.jit
-def _load_logits(x_row, mask_row, mask_col_stride, cols, n_cols, ACC: tl.constexpr,
-                 HAS_MASK: tl.constexpr):
-    """A block of masked_value(x, keep) in the accumulation dtype (-inf past the row)."""
-    keep = _load_keep(mask_row, mask_col_stride, cols, n_cols, HAS_MASK)
-    x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(ACC)
-    return masked_value(x, keep)
-
-
-@triton.jit
 def _mask_row(mask_ptr, row, ms1, ms2, mst0, mst1, mst2, HAS_MASK: tl.constexpr):
+    """Pointer(s) to the mask of row(s) `row` (a scalar or a [BLOCK_I] vector)."""
     if HAS_MASK:
         return mask_ptr + mask_row_offset(row, ms1, ms2, mst0, mst1, mst2)
     else:
         return mask_ptr
+
+
+@triton.jit
+def _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK: tl.constexpr):
+    """Which entries are real (`inside` the problem) and kept by the mask; `cols`
+    broadcasts against mask_row: a 1-D block of one row, or a [BLOCK_J, 1]
+    column against a [1, BLOCK_I] set of rows."""
+    keep = inside
+    if HAS_MASK:
+        col_offs = cols.to(tl.int64) * mask_col_stride  # past 2**31 for a huge transposed mask
+        keep = keep & (tl.load(mask_row + col_offs, mask=inside, other=0) != 0)
+    return keep
+
+
+@triton.jit
+def _load_logits(x_ptrs, mask_row, mask_col_stride, cols, inside, ACC: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
+    """masked_value(x, keep) in the accumulation dtype (-inf outside the problem)."""
+    keep = _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK)
+    x = tl.load(x_ptrs, mask=inside, other=0.0).to(ACC)
+    return masked_value(x, keep)
 
 
 @triton.jit
@@ -141,46 +193,12 @@ def _output_value(x, row_max, aux, MODE: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols,
-                    ms1, ms2, mst0, mst1, mst2, mask_col_stride,
-                    MODE: tl.constexpr, HAS_MASK: tl.constexpr,
-                    BLOCK: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
-    ACC: tl.constexpr = stats_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * n_cols
-    out_row = out_ptr + row * n_cols
-    mask_row = _mask_row(mask_ptr, row, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
-    cols = tl.arange(0, BLOCK)
-
-    x = _load_logits(x_row, mask_row, mask_col_stride, cols, n_cols, ACC, HAS_MASK)
-    row_max, row_sum = lse_block_state(x)
-    if not SINGLE_BLOCK:
-        for start in range(BLOCK, n_cols, BLOCK):
-            xb = _load_logits(x_row, mask_row, mask_col_stride, start + cols, n_cols, ACC,
-                              HAS_MASK)
-            block_max, block_sum = lse_block_state(xb)
-            row_max, row_sum = lse_merge(row_max, row_sum, block_max, block_sum)
-    row_max, log_sum = row_stats(row_max, row_sum)
-    tl.store(stats_ptr + 2 * row, row_max)
-    tl.store(stats_ptr + 2 * row + 1, log_sum)
-
-    if MODE == LOGSUMEXP:
-        tl.store(out_ptr + row, lse_value(row_max, row_sum).to(out_ptr.dtype.element_ty))
+def _output_aux(row_sum, log_sum, MODE: tl.constexpr):
+    """What _output_value needs besides the max: 1 / sum (softmax) or log_sum."""
+    if MODE == SOFTMAX:
+        return 1.0 / row_sum  # inf for an empty row, which softmax_value never uses
     else:
-        if MODE == SOFTMAX:
-            aux = 1.0 / row_sum  # inf for an empty row, which softmax_value never uses
-        else:
-            aux = log_sum
-        out_ty = out_ptr.dtype.element_ty
-        if SINGLE_BLOCK:
-            y = _output_value(x, row_max, aux, MODE)
-            tl.store(out_row + cols, y.to(out_ty), mask=cols < n_cols)
-        else:
-            for start in range(0, n_cols, BLOCK):
-                xb = _load_logits(x_row, mask_row, mask_col_stride, start + cols, n_cols, ACC,
-                                  HAS_MASK)
-                y = _output_value(xb, row_max, aux, MODE)
-                tl.store(out_row + start + cols, y.to(out_ty), mask=start + cols < n_cols)
+        return log_sum
 
 
 @triton.jit
@@ -201,6 +219,53 @@ def _grad_value(g, y, row_sum, keep, MODE: tl.constexpr):
         return log_softmax_grad_value(g, y, row_sum, keep)
 
 
+# ---------------------------------------------------------------------------
+# Kernels over the last dim (inner == 1): one program per row
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols,
+                    ms1, ms2, mst0, mst1, mst2, mask_col_stride,
+                    MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+                    BLOCK: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * n_cols
+    out_row = out_ptr + row * n_cols
+    mask_row = _mask_row(mask_ptr, row, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
+    cols = tl.arange(0, BLOCK)
+
+    x = _load_logits(x_row + cols, mask_row, mask_col_stride, cols, cols < n_cols, ACC,
+                     HAS_MASK)
+    row_max, row_sum = lse_block_state(x)
+    if not SINGLE_BLOCK:
+        for start in range(BLOCK, n_cols, BLOCK):
+            c = start + cols
+            xb = _load_logits(x_row + c, mask_row, mask_col_stride, c, c < n_cols, ACC, HAS_MASK)
+            block_max, block_sum = lse_block_state(xb)
+            row_max, row_sum = lse_merge(row_max, row_sum, block_max, block_sum)
+    row_max, log_sum = row_stats(row_max, row_sum)
+    tl.store(stats_ptr + 2 * row, row_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
+
+    if MODE == LOGSUMEXP:
+        tl.store(out_ptr + row, lse_value(row_max, row_sum).to(out_ptr.dtype.element_ty))
+    else:
+        aux = _output_aux(row_sum, log_sum, MODE)
+        out_ty = out_ptr.dtype.element_ty
+        if SINGLE_BLOCK:
+            y = _output_value(x, row_max, aux, MODE)
+            tl.store(out_row + cols, y.to(out_ty), mask=cols < n_cols)
+        else:
+            for start in range(0, n_cols, BLOCK):
+                c = start + cols
+                xb = _load_logits(x_row + c, mask_row, mask_col_stride, c, c < n_cols, ACC,
+                                  HAS_MASK)
+                y = _output_value(xb, row_max, aux, MODE)
+                tl.store(out_row + c, y.to(out_ty), mask=c < n_cols)
+
+
 @triton.jit
 def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
                              ms1, ms2, mst0, mst1, mst2, mask_col_stride,
@@ -219,29 +284,32 @@ def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
     out_ty = gi_ptr.dtype.element_ty
     if SINGLE_BLOCK:
         inside = cols < n_cols
-        keep = _load_keep(mask_row, mask_col_stride, cols, n_cols, HAS_MASK)
+        keep = _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK)
         g = tl.load(go_row + cols, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_row + cols, mask=inside, other=0.0).to(ACC)
         row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)
         grad = _grad_value(g, y, row_sum, keep, MODE)
+        # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
         tl.store(gi_row + cols, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
     else:
         partial = tl.zeros([BLOCK], dtype=ACC)
         for start in range(0, n_cols, BLOCK):
-            inside = start + cols < n_cols
-            keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
-            g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
+            c = start + cols
+            inside = c < n_cols
+            keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
+            g = tl.load(go_row + c, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_row + c, mask=inside, other=0.0).to(ACC)
             partial += _row_sum_term(g, y, keep, MODE)
         row_sum = tl.sum(partial, axis=0)
         for start in range(0, n_cols, BLOCK):
-            inside = start + cols < n_cols
-            keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
-            g = tl.load(go_row + start + cols, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + start + cols, mask=inside, other=0.0).to(ACC)
+            c = start + cols
+            inside = c < n_cols
+            keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
+            g = tl.load(go_row + c, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_row + c, mask=inside, other=0.0).to(ACC)
             grad = _grad_value(g, y, row_sum, keep, MODE)
-            tl.store(gi_row + start + cols, tl.where(has_grad, grad, 0.0).to(out_ty),
-                     mask=inside)
+            # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
+            tl.store(gi_row + c, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
 
 
 @triton.jit
@@ -262,20 +330,204 @@ def _logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_ptr, n_col
     cols = tl.arange(0, BLOCK)
     out_ty = gi_ptr.dtype.element_ty
     for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        keep = _load_keep(mask_row, mask_col_stride, start + cols, n_cols, HAS_MASK)
-        x = tl.load(x_row + start + cols, mask=inside, other=0.0).to(ACC)
+        c = start + cols
+        inside = c < n_cols
+        keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
+        x = tl.load(x_row + c, mask=inside, other=0.0).to(ACC)
         grad = logsumexp_grad_value(g, x, row_max, log_sum, keep)
-        tl.store(gi_row + start + cols, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+        # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
+        tl.store(gi_row + c, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
 
 
 # ---------------------------------------------------------------------------
-# Launchers (the op implementations; the last dim is the reduced one)
+# Kernels over a strided dim (inner > 1): one program per (o, BLOCK_I columns i)
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _strided_program(n_iblocks, inner, BLOCK_I: tl.constexpr):
+    """(o, i, in_row) of this program: its outer index, its BLOCK_I consecutive
+    inner indices (int64) and which of them are real."""
+    pid = tl.program_id(0).to(tl.int64)
+    o = pid // n_iblocks
+    i = (pid % n_iblocks) * BLOCK_I + tl.arange(0, BLOCK_I)
+    return o, i, i < inner
+
+
+@triton.jit
+def _strided_forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols, inner, n_iblocks,
+                            ms1, ms2, mst0, mst1, mst2, mask_col_stride,
+                            MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+                            BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr,
+                            SINGLE_TILE: tl.constexpr):
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    o, i, in_row = _strided_program(n_iblocks, inner, BLOCK_I)
+    mask_rows = _mask_row(mask_ptr, o * inner + i, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
+    if HAS_MASK:
+        mask_rows = mask_rows[None, :]
+    js = tl.arange(0, BLOCK_J).to(tl.int64)[:, None]  # [BLOCK_J, 1]
+    ii = i[None, :]                                   # [1, BLOCK_I]
+
+    j = js
+    inside = (j < n_cols) & (ii < inner)
+    offs = entry_offset(o, j, ii, n_cols, inner)
+    x = _load_logits(x_ptr + offs, mask_rows, mask_col_stride, j, inside, ACC, HAS_MASK)
+    row_max, row_sum = lse_tile_state_axis0(x)
+    if not SINGLE_TILE:
+        for start in range(BLOCK_J, n_cols, BLOCK_J):
+            j = start + js
+            inside = (j < n_cols) & (ii < inner)
+            offs = entry_offset(o, j, ii, n_cols, inner)
+            xt = _load_logits(x_ptr + offs, mask_rows, mask_col_stride, j, inside, ACC,
+                              HAS_MASK)
+            tile_max, tile_sum = lse_tile_state_axis0(xt)
+            row_max, row_sum = lse_merge(row_max, row_sum, tile_max, tile_sum)
+    row_max, log_sum = row_stats(row_max, row_sum)
+    tl.store(stats_ptr + stats_offset(o, 0, i, inner), row_max, mask=in_row)
+    tl.store(stats_ptr + stats_offset(o, 1, i, inner), log_sum, mask=in_row)
+
+    if MODE == LOGSUMEXP:
+        lse = lse_value(row_max, row_sum).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + o * inner + i, lse, mask=in_row)
+    else:
+        aux = _output_aux(row_sum, log_sum, MODE)[None, :]
+        max_b = row_max[None, :]
+        out_ty = out_ptr.dtype.element_ty
+        if SINGLE_TILE:
+            y = _output_value(x, max_b, aux, MODE)
+            tl.store(out_ptr + offs, y.to(out_ty), mask=inside)
+        else:
+            for start in range(0, n_cols, BLOCK_J):
+                j = start + js
+                inside = (j < n_cols) & (ii < inner)
+                offs = entry_offset(o, j, ii, n_cols, inner)
+                xt = _load_logits(x_ptr + offs, mask_rows, mask_col_stride, j, inside, ACC,
+                                  HAS_MASK)
+                y = _output_value(xt, max_b, aux, MODE)
+                tl.store(out_ptr + offs, y.to(out_ty), mask=inside)
+
+
+@triton.jit
+def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
+                                     inner, n_iblocks, ms1, ms2, mst0, mst1, mst2,
+                                     mask_col_stride, HAS_MASK: tl.constexpr,
+                                     BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr,
+                                     SINGLE_TILE: tl.constexpr, MODE: tl.constexpr):
+    """_softmax_backward_kernel over a strided dim: row sums per column i, then
+    one value per entry."""
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    o, i, in_row = _strided_program(n_iblocks, inner, BLOCK_I)
+    mask_rows = _mask_row(mask_ptr, o * inner + i, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
+    if HAS_MASK:
+        mask_rows = mask_rows[None, :]
+    row_max = tl.load(stats_ptr + stats_offset(o, 0, i, inner), mask=in_row, other=0.0)
+    log_sum = tl.load(stats_ptr + stats_offset(o, 1, i, inner), mask=in_row, other=0.0)
+    has_grad = row_has_gradient(row_max, log_sum)[None, :]
+    js = tl.arange(0, BLOCK_J).to(tl.int64)[:, None]
+    ii = i[None, :]
+    out_ty = gi_ptr.dtype.element_ty
+    if SINGLE_TILE:
+        inside = (js < n_cols) & (ii < inner)
+        offs = entry_offset(o, js, ii, n_cols, inner)
+        keep = _load_keep(mask_rows, mask_col_stride, js, inside, HAS_MASK)
+        g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
+        y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+        row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)[None, :]
+        grad = _grad_value(g, y, row_sum, keep, MODE)
+        # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
+        tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+    else:
+        partial = tl.zeros([BLOCK_J, BLOCK_I], dtype=ACC)
+        for start in range(0, n_cols, BLOCK_J):
+            j = start + js
+            inside = (j < n_cols) & (ii < inner)
+            offs = entry_offset(o, j, ii, n_cols, inner)
+            keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
+            g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+            partial += _row_sum_term(g, y, keep, MODE)
+        row_sum = tl.sum(partial, axis=0)[None, :]
+        for start in range(0, n_cols, BLOCK_J):
+            j = start + js
+            inside = (j < n_cols) & (ii < inner)
+            offs = entry_offset(o, j, ii, n_cols, inner)
+            keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
+            g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+            grad = _grad_value(g, y, row_sum, keep, MODE)
+            # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
+            tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+
+
+@triton.jit
+def _strided_logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
+                                       inner, n_iblocks, ms1, ms2, mst0, mst1, mst2,
+                                       mask_col_stride, HAS_MASK: tl.constexpr,
+                                       BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Elementwise (each entry needs only its row's stats and grad_output), one
+    pass over the tiles of this program's columns i: no per-entry division to
+    recover (o, j, i) from a flat index."""
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    o, i, in_row = _strided_program(n_iblocks, inner, BLOCK_I)
+    mask_rows = _mask_row(mask_ptr, o * inner + i, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
+    if HAS_MASK:
+        mask_rows = mask_rows[None, :]
+    row_max = tl.load(stats_ptr + stats_offset(o, 0, i, inner), mask=in_row, other=0.0)
+    log_sum = tl.load(stats_ptr + stats_offset(o, 1, i, inner), mask=in_row, other=0.0)
+    has_grad = row_has_gradient(row_max, log_sum)[None, :]
+    g = tl.load(go_ptr + o * inner + i, mask=in_row, other=0.0).to(ACC)[None, :]
+    row_max, log_sum = row_max[None, :], log_sum[None, :]
+    js = tl.arange(0, BLOCK_J).to(tl.int64)[:, None]
+    ii = i[None, :]
+    out_ty = gi_ptr.dtype.element_ty
+    for start in range(0, n_cols, BLOCK_J):
+        j = start + js
+        inside = (j < n_cols) & (ii < inner)
+        offs = entry_offset(o, j, ii, n_cols, inner)
+        keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(ACC)
+        grad = logsumexp_grad_value(g, x, row_max, log_sum, keep)
+        # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
+        tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+
+
+# ---------------------------------------------------------------------------
+# Launchers (the op implementations)
+# ---------------------------------------------------------------------------
+
+
+# Every kernel of this module, as defined (tests may monkeypatch the names).
+_KERNELS = (_forward_kernel, _softmax_backward_kernel, _logsumexp_backward_kernel,
+            _strided_forward_kernel, _strided_softmax_backward_kernel,
+            _strided_logsumexp_backward_kernel)
+
+
+def kernels_interpreted():
+    """True when this module's kernels were defined under Triton's interpreter
+    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
+    only; compiled, on CUDA tensors only."""
+    return _InterpretedFunction is not None and all(
+        isinstance(kernel, _InterpretedFunction) for kernel in _KERNELS)
+
+
+def _check_runnable(op, t):
+    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
+    if kernels_interpreted():
+        if t.device.type != "cpu":
+            raise BackendUnavailableError(
+                f"nanfree.{op}: the Triton kernels were defined under Triton's interpreter "
+                f"(TRITON_INTERPRET=1), which nanfree uses for CPU tensors only, got a tensor "
+                f"on {t.device}; unset TRITON_INTERPRET to run the compiled Triton kernels on "
+                f"CUDA tensors")
+    elif t.device.type != "cuda":
+        raise BackendUnavailableError(
+            f"nanfree.{op}: the Triton kernels are compiled and run on CUDA tensors only, got "
+            f"a tensor on {t.device}; set TRITON_INTERPRET=1 before starting Python to run "
+            f"them on CPU tensors under Triton's interpreter")
 
 
 def _block_config(n_cols):
-    """(BLOCK, SINGLE_BLOCK, num_warps) for rows of n_cols >= 1 entries."""
+    """(BLOCK, SINGLE_BLOCK, num_warps) for last-dim rows of n_cols >= 1 entries."""
     if n_cols <= MAX_FUSED_COLS:
         block, single = triton.next_power_of_2(n_cols), True
     else:
@@ -285,111 +537,128 @@ def _block_config(n_cols):
     return block, single, num_warps
 
 
+def _strided_config(n_cols, inner):
+    """(BLOCK_J, BLOCK_I, SINGLE_TILE, num_warps) for a strided problem, inner > 1."""
+    block_i = min(triton.next_power_of_2(inner), STRIDED_BLOCK_I)
+    block_j = min(triton.next_power_of_2(n_cols), max(STRIDED_TILE // block_i, 1))
+    # 1 warp per 512 tile entries (16 per thread), between 1 and 8 warps.
+    num_warps = min(max(block_j * block_i // 512, 1), 8)
+    return block_j, block_i, n_cols <= block_j, num_warps
+
+
 def _device_guard(t):
     return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
-def _rows(x):
-    n = 1
-    for size in x.shape[:-1]:
-        n *= size
-    return n
-
-
-def _mask_args(mask, x):
-    """(tensor, sizes3, strides3, col_stride, has_mask) for the kernels."""
+def _mask_args(mask, dim, x):
+    """(tensor, sizes3, strides3, col_stride, has_mask) for the kernels: the
+    MaskView of the mask with `dim` moved last."""
     if mask is None:
         return x, (1, 1, 1), (0, 0, 0), 0, False
-    m, sizes, strides, col_stride = mask_layout(mask)
+    m, sizes, strides, col_stride = mask_layout(mask, dim)
     return m.view(torch.uint8), sizes, strides, col_stride, True
 
 
-def _as_row(t):
-    return None if t is None else t.reshape(1)
-
-
-def _forward(input, mask, mode, op):
-    check_float(op, "input", input)
-    check_mask(op, input, mask)
-    if input.dim() == 0:  # one row of one entry
-        out, stats = _forward(input.reshape(1), _as_row(mask), mode, op)
-        return (out if mode == LOGSUMEXP else out.reshape(())), stats
+def _forward(op, mode, input, dim, mask):
+    dim, mask = check_forward(op, input, dim, mask)
+    _check_runnable(op, input)
     x = input.contiguous()
-    n_rows, n_cols = _rows(x), x.shape[-1]
-    stats = torch.empty((*x.shape[:-1], 2), dtype=acc_dtype(x.dtype), device=x.device)
-    out = torch.empty(x.shape[:-1] if mode == LOGSUMEXP else x.shape, dtype=x.dtype,
+    outer, n_cols, inner = problem_shape(x, dim)
+    stats = torch.empty(stats_shape(x, dim), dtype=acc_dtype(x.dtype), device=x.device)
+    out = torch.empty(row_shape(x, dim) if mode == LOGSUMEXP else x.shape, dtype=x.dtype,
                       device=x.device)
-    m, sizes, strides, col_stride, has_mask = _mask_args(mask, x)
-    if n_rows == 0:
+    if outer * inner == 0:
         return out, stats
     if n_cols == 0:  # the empty set: max -inf, log_sum log(0); softmax outputs are empty
         stats.fill_(float("-inf"))
         out.fill_(float("-inf"))
         return out, stats
-    block, single, num_warps = _block_config(n_cols)
+    m, sizes, strides, col_stride, has_mask = _mask_args(mask, dim, x)
+    mask_args = (sizes[1], sizes[2], strides[0], strides[1], strides[2], col_stride)
     with _device_guard(x):
-        _forward_kernel[(n_rows,)](
-            x, out, stats, m, n_cols, sizes[1], sizes[2], strides[0], strides[1], strides[2],
-            col_stride, MODE=mode, HAS_MASK=has_mask, BLOCK=block, SINGLE_BLOCK=single,
-            num_warps=num_warps)
+        if inner == 1:
+            block, single, num_warps = _block_config(n_cols)
+            _forward_kernel[(outer,)](
+                x, out, stats, m, n_cols, *mask_args, MODE=mode, HAS_MASK=has_mask,
+                BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps)
+        else:
+            block_j, block_i, single, num_warps = _strided_config(n_cols, inner)
+            n_iblocks = triton.cdiv(inner, block_i)
+            _strided_forward_kernel[(outer * n_iblocks,)](
+                x, out, stats, m, n_cols, inner, n_iblocks, *mask_args, MODE=mode,
+                HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, SINGLE_TILE=single,
+                num_warps=num_warps)
     return out, stats
 
 
-def softmax_lastdim(input, mask=None):
-    """softmax over the last dim, dropped entries (mask False) as -inf -> (output, stats)."""
-    return _forward(input, mask, SOFTMAX, "softmax")
+def softmax(input, dim, mask=None):
+    """softmax over `dim`, dropped entries (mask False) as -inf -> (output, stats)."""
+    return _forward("softmax", SOFTMAX, input, dim, mask)
 
 
-def log_softmax_lastdim(input, mask=None):
-    """log_softmax over the last dim -> (output, stats)."""
-    return _forward(input, mask, LOG_SOFTMAX, "log_softmax")
+def log_softmax(input, dim, mask=None):
+    """log_softmax over `dim` -> (output, stats)."""
+    return _forward("log_softmax", LOG_SOFTMAX, input, dim, mask)
 
 
-def logsumexp_lastdim(input, mask=None):
-    """logsumexp over the last dim -> (output of shape input.shape[:-1], stats)."""
-    return _forward(input, mask, LOGSUMEXP, "logsumexp")
+def logsumexp(input, dim, mask=None):
+    """logsumexp over `dim` -> (output of the input's shape without `dim`, stats)."""
+    return _forward("logsumexp", LOGSUMEXP, input, dim, mask)
 
 
-def _backward(op, kernel, grad_output, saved, stats, mask, per_row_grad, **meta):
-    """Checks the operands and launches one backward kernel program per row.
+def _backward(op, grad_output, saved, stats, dim, mask, per_row_grad, mode):
+    """Checks the operands and launches the backward kernels.
 
     ``saved`` is the forward's output (softmax, log_softmax) or input
     (logsumexp); ``per_row_grad`` says grad_output has one value per row."""
-    grad_shape = saved.shape[:-1] if per_row_grad else saved.shape
-    check_backward(op, grad_output, saved, stats, mask, grad_shape)
-    if saved.dim() == 0:  # one row of one entry
-        row = saved.reshape(1)
-        g = grad_output.reshape(row.shape[:-1] if per_row_grad else row.shape)
-        return _backward(op, kernel, g, row, stats, _as_row(mask), per_row_grad,
-                         **meta).reshape(())
+    dim, mask = check_backward(op, grad_output, saved, stats, dim, mask, per_row_grad)
+    _check_runnable(op, saved)
     g, saved, stats = grad_output.contiguous(), saved.contiguous(), stats.contiguous()
     grad_input = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
-    n_rows, n_cols = _rows(saved), saved.shape[-1]
-    if n_rows == 0 or n_cols == 0:
+    outer, n_cols, inner = problem_shape(saved, dim)
+    if grad_input.numel() == 0:
         return grad_input
-    block, single, num_warps = _block_config(n_cols)
-    m, sizes, strides, col_stride, has_mask = _mask_args(mask, saved)
+    m, sizes, strides, col_stride, has_mask = _mask_args(mask, dim, saved)
+    mask_args = (sizes[1], sizes[2], strides[0], strides[1], strides[2], col_stride)
     with _device_guard(saved):
-        kernel[(n_rows,)](
-            g, saved, stats, grad_input, m, n_cols, sizes[1], sizes[2], strides[0], strides[1],
-            strides[2], col_stride, HAS_MASK=has_mask, BLOCK=block, SINGLE_BLOCK=single,
-            num_warps=num_warps, **meta)
+        if inner == 1:
+            block, single, num_warps = _block_config(n_cols)
+            if mode == LOGSUMEXP:
+                _logsumexp_backward_kernel[(outer,)](
+                    g, saved, stats, grad_input, m, n_cols, *mask_args, HAS_MASK=has_mask,
+                    BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps)
+            else:
+                _softmax_backward_kernel[(outer,)](
+                    g, saved, stats, grad_input, m, n_cols, *mask_args, HAS_MASK=has_mask,
+                    BLOCK=block, SINGLE_BLOCK=single, MODE=mode, num_warps=num_warps)
+        else:
+            block_j, block_i, single, num_warps = _strided_config(n_cols, inner)
+            n_iblocks = triton.cdiv(inner, block_i)
+            if mode == LOGSUMEXP:
+                _strided_logsumexp_backward_kernel[(outer * n_iblocks,)](
+                    g, saved, stats, grad_input, m, n_cols, inner, n_iblocks, *mask_args,
+                    HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, num_warps=num_warps)
+            else:
+                _strided_softmax_backward_kernel[(outer * n_iblocks,)](
+                    g, saved, stats, grad_input, m, n_cols, inner, n_iblocks, *mask_args,
+                    HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, SINGLE_TILE=single,
+                    MODE=mode, num_warps=num_warps)
     return grad_input
 
 
-def softmax_lastdim_backward(grad_output, output, stats):
+def softmax_backward(grad_output, output, stats, dim):
     """y * (g - sum(g * y)); 0 for rows without gradient."""
-    return _backward("softmax_backward", _softmax_backward_kernel, grad_output, output, stats,
-                     None, per_row_grad=False, MODE=SOFTMAX)
+    return _backward("softmax_backward", grad_output, output, stats, dim, None,
+                     per_row_grad=False, mode=SOFTMAX)
 
 
-def log_softmax_lastdim_backward(grad_output, output, stats, mask=None):
+def log_softmax_backward(grad_output, output, stats, dim, mask=None):
     """g - exp(y) * sum(kept g); 0 where dropped and for rows without gradient."""
-    return _backward("log_softmax_backward", _softmax_backward_kernel, grad_output, output,
-                     stats, mask, per_row_grad=False, MODE=LOG_SOFTMAX)
+    return _backward("log_softmax_backward", grad_output, output, stats, dim, mask,
+                     per_row_grad=False, mode=LOG_SOFTMAX)
 
 
-def logsumexp_lastdim_backward(grad_output, input, stats, mask=None):
-    """g * softmax(x) (grad_output of shape input.shape[:-1]); 0 where dropped."""
-    return _backward("logsumexp_backward", _logsumexp_backward_kernel, grad_output, input,
-                     stats, mask, per_row_grad=True)
+def logsumexp_backward(grad_output, input, stats, dim, mask=None):
+    """g * softmax(x) (grad_output of the input's shape without `dim`); 0 where dropped."""
+    return _backward("logsumexp_backward", grad_output, input, stats, dim, mask,
+                     per_row_grad=True, mode=LOGSUMEXP)

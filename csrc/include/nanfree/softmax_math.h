@@ -1,6 +1,6 @@
-// softmax / log_softmax / logsumexp over the last dimension of a row-major
-// [rows, cols] problem: the special-value rules of DESIGN.md section 2, shared
-// by the CPU and CUDA kernels and mirrored by name in nanfree/_triton/softmax.py.
+// softmax / log_softmax / logsumexp over one dimension of a contiguous tensor:
+// the special-value rules of DESIGN.md section 2, shared by the CPU and CUDA
+// kernels and mirrored by name in nanfree/_triton/softmax.py.
 #pragma once
 
 #include "nanfree/numerics.h"
@@ -10,10 +10,34 @@ namespace nanfree {
 // The three ops of the family; they share the forward row statistics.
 enum class SoftmaxKind : int { Softmax = 0, LogSoftmax = 1, LogSumExp = 2 };
 
-// A boolean mask viewed with the layout of a [rows, cols] problem. The row
-// index is split row-major over up to three collapsed dimensions (sizes,
-// strides); column j adds j * col_stride. Strides may be 0 (broadcast).
-// data == nullptr means no mask.
+// A contiguous tensor viewed as [outer, cols, inner], reduced over cols: entry
+// (o, j, i) is at element offset (o * cols + j) * inner + i. Reducing over the
+// last dimension is inner == 1. The problem has outer * inner rows (one per
+// (o, i), numbered r = o * inner + i, the other dimensions in row-major order);
+// row r holds the cols entries (o, 0, i) .. (o, cols - 1, i), inner apart.
+struct SoftmaxShape {
+  int64_t outer;
+  int64_t cols;
+  int64_t inner;
+};
+
+// Element offset of entry (o, j, i).
+NF_HOST_DEVICE int64_t entry_offset(const SoftmaxShape& s, int64_t o, int64_t j, int64_t i) {
+  return (o * s.cols + j) * s.inner + i;
+}
+
+// The saved statistics of row (o, i) lie where the reduced dimension of the
+// input has size 2: its max at stats_offset(s, o, 0, i), its log_sum at
+// stats_offset(s, o, 1, i). With inner == 1 that is a [rows, 2] array.
+NF_HOST_DEVICE int64_t stats_offset(const SoftmaxShape& s, int64_t o, int k, int64_t i) {
+  return (o * 2 + k) * s.inner + i;
+}
+
+// A boolean mask viewed with the layout of the problem's rows and columns
+// (a mask of the input's shape with the reduced dimension moved last). The
+// row index r = o * inner + i is split row-major over up to three collapsed
+// dimensions (sizes, strides); column j adds j * col_stride. Strides may be 0
+// (broadcast). data == nullptr means no mask.
 struct MaskView {
   const bool* data;
   int64_t sizes[3];

@@ -1,0 +1,10 @@
+// The Python module nanfree._C: each op family adds its entry points.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace nanfree {
+
+void bind_softmax(pybind11::module_& m);
+
+}  // namespace nanfree
