@@ -1,0 +1,31 @@
+// Autocast of nanfree's ops, shared by every op family. Each family registers,
+// at an Autocast<Device> dispatch key, a kernel that casts its floating inputs
+// as autocast casts those of the torch op it replaces, then calls the op again
+// with that key excluded. One registration serves every backend: the
+// autocast keys sit above autograd and the device kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace nanfree {
+
+// What autocast's float32 policy does to one argument: float16 / bfloat16
+// (any floating dtype but float64) becomes float32; float64, integer and bool
+// tensors are left alone. Only tensors of the autocast key's own device type
+// reach this kernel.
+inline at::Tensor autocast_to_float(const at::Tensor& t) {
+  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kDouble ||
+      t.scalar_type() == at::kFloat) {
+    return t;
+  }
+  return t.to(at::kFloat);
+}
+
+inline std::optional<at::Tensor> autocast_to_float(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return autocast_to_float(*t);
+}
+
+}  // namespace nanfree
