@@ -2,7 +2,8 @@
 # Installs everything nanfree needs into the current Python and builds it.
 # - torch: kept if already installed; else the CUDA build when nvcc or a GPU is
 #   present (so the CUDA extension can be compiled), else the CPU build.
-# - triton, numpy, ninja, pytest, hypothesis: installed when missing.
+# - triton, numpy, ninja, pytest, hypothesis, matplotlib (the benchmark's plots):
+#   installed when missing.
 # - nanfree itself: built in place (C++ CPU extension always; CUDA extension when
 #   torch has CUDA and nvcc is found, also without a GPU).
 set -euo pipefail
@@ -19,7 +20,7 @@ if ! has torch; then
   fi
 fi
 missing=()
-for module in triton numpy ninja pytest hypothesis; do
+for module in triton numpy ninja pytest hypothesis matplotlib; do
   has "$module" || missing+=("$module")
 done
 if ((${#missing[@]})); then
