@@ -1,188 +1,205 @@
-"""Benchmark of nanfree's softmax and log_softmax against PyTorch, in one run.
+"""Benchmark of nanfree's softmax family (softmax, log_softmax, logsumexp) against PyTorch.
 
-For each shape, dtype, op and variant it times forward, backward and
-forward+backward of nanfree and of the PyTorch baseline (``torch.softmax``, or
-``masked_fill`` + ``torch.softmax`` for the masked variant), reports the ratio
-(PyTorch time / nanfree time: above 1 means nanfree is faster; each side's
-time is the fastest of a few alternating rounds of median timings) and the achieved
-bandwidth counting the minimum bytes (forward: read x, write y; backward: read
-y and dy, write dx; the masked variant also reads a 1-byte mask per element).
+Three sections, in one run:
+  rows       softmax and log_softmax over the last dim, forward, backward and
+             forward+backward, plain (baseline torch.softmax) and masked (baseline
+             masked_fill + torch.softmax), against torch eager and torch.compile of the
+             same expression; GB/s counts the minimum bytes (forward: read x, write y;
+             backward: read y and dy, write dx; masked: a 1-byte mask per element,
+             read in the forward and, by log_softmax, in the backward);
+  inner dim  softmax/log_softmax over dim=1 of [16, 64, 32, 32] and [32, 1000, 7, 7],
+             logsumexp over dim=0 of [4096, 4096], plain;
+  latency    per-call time of a [4, 8] float32 tensor, forward (no grad) and
+             forward+backward, nanfree / torch (below 1: nanfree faster).
+Ratios elsewhere are baseline time / nanfree time (above 1: nanfree faster). Writes
+benchmarks/results/<machine>/softmax.{csv,png,md}.
 
-    python benchmarks/bench_softmax.py            # default sweep (a few minutes on 2 cores)
-    python benchmarks/bench_softmax.py --full     # full sweep
+    python benchmarks/bench_softmax.py            # default (about 3-4 min on 2 CPU cores)
+    python benchmarks/bench_softmax.py --full     # full sweep: 4 MB to 256 MB, 3 dtypes
+    python benchmarks/bench_softmax.py --quick    # smoke run (seconds)
 """
 
-import argparse
-import csv
+import functools
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.utils.benchmark as benchmark
 
-import nanfree
-import nanfree.ops as nf
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import nanfree  # noqa: E402
+import nanfree.ops as nf  # noqa: E402
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="the full sweep of shapes and dtypes")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--csv", default=None, help="where to write the results (CSV)")
-    parser.add_argument("--min-run-time", type=float, default=None,
-                        help="seconds of timed runs per measurement")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating rounds of nanfree and torch per case; the fastest "
-                             "round of each counts, so a burst of load on a shared machine "
-                             "does not land on one side only")
-    return parser.parse_args(argv)
+TORCH = {"softmax": torch.softmax, "log_softmax": torch.log_softmax, "logsumexp": torch.logsumexp}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def sweep(device, full):
-    """(rows, cols) pairs and dtypes."""
-    if device == "cuda":
-        elements = 1 << 26 if full else 1 << 24
-        cols = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536] if full else \
-            [128, 1024, 4096, 16384, 65536]
-        dtypes = [torch.float32, torch.float16, torch.bfloat16]
+def rows_sweep(bench):
+    """[(dtype, rows, cols)] and the directions also timed against torch.compile."""
+    if bench.mode == "quick":
+        return [("float32", 512, 128), ("float32", 16, 4096)], ["forward+backward"]
+    if bench.mode == "full":  # tensors of 4 MB (16 MB on a GPU) to 256 MB, in every dtype
+        sizes = [16 * bc.MB, 64 * bc.MB, 256 * bc.MB] if bench.cuda else [4 * bc.MB, 64 * bc.MB, 256 * bc.MB]
+        cols = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536] if bench.cuda else \
+            [128, 512, 1024, 4096, 16384, 65536]
+        return [(d, s // DTYPES[d].itemsize // c, c) for d in DTYPES for s in sizes for c in cols], bc.DIRECTIONS
+    if bench.cuda:  # 64 MB tensors
+        return [(d, 64 * bc.MB // DTYPES[d].itemsize // c, c) for d in DTYPES
+                for c in (128, 1024, 4096, 16384, 65536)], ["forward+backward"]
+    # 4 MB tensors, and one of 64 MB (larger than the last-level cache)
+    return [("float32", r, c) for r, c in ((8192, 128), (1024, 1024), (256, 4096), (16, 65536), (4096, 4096))], \
+        bc.DIRECTIONS
+
+
+def expressions(op, variant, dim):
+    """(nanfree, torch) functions of (x, mask): the same result, mask meaning masked_fill."""
+    ours, theirs = getattr(nf, op), TORCH[op]
+    if variant == "plain":
+        return (lambda x, mask: ours(x, dim)), (lambda x, mask: theirs(x, dim))
+    return (lambda x, mask: ours(x, dim, mask=mask)), \
+        (lambda x, mask: theirs(x.masked_fill(~mask, -math.inf), dim))
+
+
+def min_bytes(op, x, out, mask):
+    """Minimum bytes per direction. Forward: read x (and the mask), write the output.
+    Backward: softmax and log_softmax read y and dy, logsumexp reads x, the output and
+    dy; all write dx; log_softmax and logsumexp also read the mask (softmax's y is 0
+    where masked, which is enough)."""
+    x_bytes, out_bytes = x.numel() * x.element_size(), out.numel() * out.element_size()
+    mask_bytes = mask.numel() * mask.element_size() if mask is not None else 0
+    forward = x_bytes + mask_bytes + out_bytes
+    backward = (2 * out_bytes + x_bytes + (x_bytes if op == "logsumexp" else 0)
+                + (mask_bytes if op != "softmax" else 0))
+    return {"forward": forward, "backward": backward, "forward+backward": forward + backward}
+
+
+def compare_all(bench, fields, label, op, variant, x, dim, mask, compile_directions):
+    ours, theirs = expressions(op, variant, dim)
+    compiled = bench.compiler(theirs)
+    with torch.no_grad():
+        nbytes = min_bytes(op, x, ours(x, mask), mask)
+    for direction in bc.DIRECTIONS:
+        fns = {"nanfree": ours, "torch": theirs,
+               "compile": compiled if direction in compile_directions else None}
+        bench.compare(fields, f"{label}{direction:<18}", fns, x, direction, nbytes[direction], args=(mask,))
+
+
+def bench_rows(bench):
+    shapes, compile_directions = rows_sweep(bench)
+    bench.section("rows: softmax and log_softmax over the last dim (times in ms)",
+                  f"{'op':<12}{'variant':<8}{'dtype':<10}{'rows':>8}{'cols':>7}  {'direction':<18}")
+    for dtype, rows, cols in shapes:
+        bench.compiler.reset()
+        gen = torch.Generator(device=bench.device).manual_seed(0)
+        x = torch.randn(rows, cols, device=bench.device, generator=gen).mul_(4).to(DTYPES[dtype])
+        lengths = torch.randint(1, cols + 1, (rows, 1), device=bench.device, generator=gen)
+        mask = torch.arange(cols, device=bench.device) < lengths  # padding-style mask
+        for op in ("softmax", "log_softmax"):
+            for variant in ("plain", "masked"):
+                fields = dict(section="rows", op=op, variant=variant, dtype=dtype,
+                              shape=f"{rows}x{cols}", dim=-1, rows=rows, cols=cols,
+                              mbytes=x.numel() * x.element_size() / bc.MB)
+                compare_all(bench, fields, f"{op:<12}{variant:<8}{dtype:<10}{rows:>8}{cols:>7}  ", op,
+                            variant, x, -1, mask if variant == "masked" else None, compile_directions)
+        del x, mask
+
+
+def bench_inner_dim(bench):
+    cases = [("softmax", (16, 64, 32, 32), 1), ("log_softmax", (16, 64, 32, 32), 1),
+             ("softmax", (32, 1000, 7, 7), 1), ("log_softmax", (32, 1000, 7, 7), 1),
+             ("logsumexp", (4096, 4096), 0)]
+    if bench.mode == "quick":
+        cases = [("softmax", (4, 64, 8, 8), 1), ("logsumexp", (256, 64), 0)]
+    compile_directions = ["forward+backward"] if bench.mode == "quick" else bc.DIRECTIONS
+    bench.section("inner dim: a reduction over a dim other than the last, float32 (times in ms)",
+                  f"{'op':<12}{'shape':<18}{'dim':>4}  {'direction':<18}")
+    for op, shape, dim in cases:
+        bench.compiler.reset()
+        x = torch.randn(shape, device=bench.device, generator=torch.Generator(bench.device).manual_seed(0)) * 4
+        fields = dict(section="inner dim", op=op, variant="plain", dtype="float32",
+                      shape="x".join(map(str, shape)), dim=dim, rows=x.numel() // shape[dim], cols=shape[dim],
+                      mbytes=x.numel() * 4 / bc.MB)
+        compare_all(bench, fields, f"{op:<12}{fields['shape']:<18}{dim:>4}  ", op, "plain", x, dim, None,
+                    compile_directions)
+
+
+def bench_latency(bench):
+    calls, blocks, rounds = (100, 2, 2) if bench.mode == "quick" else (200, 10, max(bench.rounds, 5))
+    bench.section(f"latency: per-call time of a [4, 8] float32 tensor; {rounds} alternating rounds of "
+                  f"{blocks} blocks of {calls} calls, fastest block (times in us; ratio = torch / nanfree)",
+                  f"{'op':<12}{'direction':<18}")
+    x = torch.randn(4, 8, device=bench.device)
+    for op in ("softmax", "log_softmax", "logsumexp"):
+        ours, theirs = expressions(op, "plain", -1)
+        for direction in ("forward", "forward+backward"):
+            fields = dict(section="latency", op=op, variant="plain", dtype="float32", shape="4x8", dim=-1,
+                          rows=4, cols=8, mbytes=x.numel() * 4 / bc.MB)
+            record = bench.compare(fields, f"{op:<12}{direction:<18}", {"nanfree": ours, "torch": theirs},
+                                   x, direction, None, args=(None,), number=calls, min_blocks=blocks,
+                                   rounds=rounds, unit="us")
+            record["per_call_ratio"] = 1 / record["ratio"]  # nanfree time / torch time
+
+
+def summary(bench):
+    rows, inner, latency = (bc.select(bench.records, section=name) for name in ("rows", "inner dim", "latency"))
+    sizes = sorted({r["mbytes"] for r in rows})
+    lines = bc.geomean_table(rows, ("variant", "direction"), "Geometric-mean ratio, rows section "
+                             "(baseline time / nanfree time; above 1 = nanfree faster):")
+    lines += bc.geomean_table(inner, ("op", "direction"), "Inner dim:")
+    if latency:
+        lines.append("Latency, [4, 8] float32, per call (nanfree / torch; below 1 = nanfree faster):")
+        lines += [f"  {r['op']:<12} {r['direction']:<17} nanfree {r['nanfree_ms'] * 1e3:6.2f} us, "
+                  f"torch {r['torch_ms'] * 1e3:6.2f} us, {r['per_call_ratio']:.2f}x" for r in latency]
+    lines += ["", f"Targets ({bench.device}"
+              + (f"; rows section tensors of {', '.join(f'{s:g}' for s in sizes)} MB" if sizes else "") + "):"]
+    target = functools.partial(bc.target, describe_keys=("op", "variant", "dtype", "shape", "direction"))
+    if bench.cuda:
+        lines += [
+            target("GPU at least torch's speed everywhere (rows and inner dim)", rows + inner, at_least=1.0),
+            target("GPU forward >= 85% of copy bandwidth, rows >= 4096, tensors >= 64 MB",
+                   [r for r in bc.select(rows, direction="forward") if r["cols"] >= 4096 and r["mbytes"] >= 64],
+                   key="copy_fraction", at_least=0.85),
+        ]
     else:
-        elements = 1 << 22 if full else 1 << 20
-        cols = [128, 512, 1024, 4096, 16384, 65536] if full else [128, 1024, 4096, 65536]
-        dtypes = [torch.float32, torch.bfloat16, torch.float16] if full else [torch.float32]
-    return [(max(1, elements // c), c) for c in cols], dtypes
+        lines += [
+            target("CPU plain forward >= 0.95x torch at every shape",
+                   bc.select(rows, variant="plain", direction="forward"), at_least=0.95),
+            target("CPU plain backward >= 0.95x torch at every shape",
+                   bc.select(rows, variant="plain", direction="backward"), at_least=0.95),
+            target("CPU masked forward+backward >= 1.5x masked_fill + torch",
+                   bc.select(rows, variant="masked", direction="forward+backward"), at_least=1.5),
+            target("CPU inner-dim forward+backward >= 1.0x torch",
+                   bc.select(inner, direction="forward+backward"), at_least=1.0),
+            target("CPU small-tensor per-call time <= 1.5x torch's (nanfree / torch)", latency,
+                   key="per_call_ratio", at_most=1.5),
+        ]
+    lines.append(f"  torch.compile baseline: {bench.compiler.reason or 'measured'} (informational, no target)")
+    return lines
 
 
-def masked_baseline(fn):
-    def run(x, dim, mask):
-        return fn(x.masked_fill(~mask, -math.inf), dim)
-
-    return run
-
-
-def cases(op):
-    torch_fn = {"softmax": torch.softmax, "log_softmax": torch.log_softmax}[op]
-    ours = getattr(nf, op)
-    return {
-        "plain": (lambda x, d, m: ours(x, d), lambda x, d, m: torch_fn(x, d)),
-        "masked": (lambda x, d, m: ours(x, d, mask=m), masked_baseline(torch_fn)),
-    }
-
-
-def timed(stmt, min_run_time):
-    """Median seconds of one call."""
-    timer = benchmark.Timer(stmt="stmt()", globals={"stmt": stmt})
-    return timer.blocked_autorange(min_run_time=min_run_time).median
-
-
-def measure(fn, x, mask, direction, min_run_time):
-    x = x.detach().requires_grad_(direction != "forward")
-    if direction == "forward":
-        with torch.no_grad():
-            return timed(lambda: fn(x, -1, mask), min_run_time)
-    grad = torch.randn_like(x)
-    if direction == "backward":
-        out = fn(x, -1, mask)
-        return timed(lambda: torch.autograd.grad(out, x, grad, retain_graph=True), min_run_time)
-    return timed(lambda: torch.autograd.grad(fn(x, -1, mask), x, grad), min_run_time)
-
-
-def min_bytes(x, direction, masked):
-    size = x.numel() * x.element_size()
-    mask_bytes = x.numel() if masked else 0
-    forward, backward = 2 * size + mask_bytes, 3 * size
-    return {"forward": forward, "backward": backward, "forward+backward": forward + backward}[direction]
-
-
-def copy_bandwidth(device):
-    """Measured device copy bandwidth (read + write), GB/s."""
-    x = torch.empty(1 << 28 if device == "cuda" else 1 << 24, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
-    seconds = timed(lambda: y.copy_(x), 0.5)
-    return 2 * x.numel() * 4 / seconds / 1e9
+def plot(bench):
+    def draw(records, path):
+        fwbw = bc.select(records, section="rows", direction="forward+backward")
+        return fwbw and bc.plot_ratios(
+            fwbw, path, f"nanfree softmax family, forward+backward, on {bench.machine} ({bench.mode} run)",
+            copy_gbs=bench.copy_gbs if bench.cuda else None)
+    return draw
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = args.device
-    min_run_time = args.min_run_time or (0.2 if device == "cuda" else 0.1)
-    shapes, dtypes = sweep(device, args.full)
-    directions = ["forward", "backward", "forward+backward"]
-    ops = ["softmax", "log_softmax"]
-    total = len(shapes) * len(dtypes) * len(ops) * 2 * len(directions)
-    csv_path = args.csv or os.path.join(HERE, "results", f"softmax_{device}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"nanfree softmax benchmark on {device} ({name}); torch {torch.__version__}")
-    print(f"backend: {nanfree.backend_info()['ops']['softmax'][device]}")
-    copy_gbs = copy_bandwidth(device)
-    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
-    header = f"{'op':<12}{'variant':<8}{'dtype':<10}{'rows':>8}{'cols':>7}  {'direction':<17}" \
-             f"{'nanfree ms':>11}{'torch ms':>10}{'ratio':>7}{'GB/s':>9}{'% copy':>8}"
-    print(header)
-    rows_out = []
-    started = time.time()
-    step = 0
-    for rows, cols in shapes:
-        for dtype in dtypes:
-            gen = torch.Generator(device=device).manual_seed(0)
-            x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen) * 4
-            lengths = torch.randint(1, cols + 1, (rows, 1), device=device, generator=gen)
-            mask = torch.arange(cols, device=device) < lengths  # padding-style mask
-            for op in ops:
-                for variant, (ours, baseline) in cases(op).items():
-                    m = mask if variant == "masked" else None
-                    for direction in directions:
-                        step += 1
-                        t_ours, t_torch = math.inf, math.inf
-                        for _ in range(args.rounds):
-                            t_ours = min(t_ours, measure(ours, x, m, direction, min_run_time))
-                            t_torch = min(t_torch, measure(baseline, x, mask, direction, min_run_time))
-                        gbs = min_bytes(x, direction, variant == "masked") / t_ours / 1e9
-                        record = dict(device=device, op=op, variant=variant, dtype=str(dtype).split(".")[-1],
-                                      rows=rows, cols=cols, direction=direction,
-                                      nanfree_ms=t_ours * 1e3, torch_ms=t_torch * 1e3,
-                                      ratio=t_torch / t_ours, gbs=gbs, copy_fraction=gbs / copy_gbs)
-                        rows_out.append(record)
-                        print(f"{op:<12}{variant:<8}{record['dtype']:<10}{rows:>8}{cols:>7}  {direction:<17}"
-                              f"{record['nanfree_ms']:>11.3f}{record['torch_ms']:>10.3f}"
-                              f"{record['ratio']:>7.2f}{gbs:>9.1f}{100 * record['copy_fraction']:>7.0f}%"
-                              f"   [{step}/{total}, {time.time() - started:.0f}s]", flush=True)
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        writer.writeheader()
-        writer.writerows(rows_out)
-    print(f"\nwrote {csv_path}")
-    summarize(rows_out, device)
-
-
-def summarize(records, device):
-    print("\nGeometric-mean ratio (torch time / nanfree time; above 1 = nanfree faster):")
-    for variant in ("plain", "masked"):
-        for direction in ("forward", "backward", "forward+backward"):
-            ratios = [r["ratio"] for r in records if r["variant"] == variant and r["direction"] == direction]
-            print(f"  {variant:<7} {direction:<17} {math.exp(statistics.fmean(map(math.log, ratios))):.2f}"
-                  f"  (min {min(ratios):.2f})")
-    print("\nTargets:")
-    if device == "cpu":
-        for variant, target in (("plain", 0.8), ("masked", 1.3)):
-            ratios = [r["ratio"] for r in records if r["variant"] == variant and r["direction"] == "forward+backward"]
-            mean = math.exp(statistics.fmean(map(math.log, ratios)))
-            verdict = "met" if min(ratios) >= target else "MISSED at some shapes"
-            print(f"  CPU {variant} forward+backward >= {target}x torch: geo-mean {mean:.2f}, "
-                  f"min {min(ratios):.2f} -> {verdict}")
-    else:
-        slow = [r for r in records if r["ratio"] < 1.0]
-        print(f"  GPU at least torch's speed everywhere: {len(records) - len(slow)}/{len(records)} measurements")
-        long_rows = [r for r in records if r["cols"] >= 4096 and r["direction"] == "forward"]
-        low = [r for r in long_rows if r["copy_fraction"] < 0.85]
-        print(f"  GPU >= 85% of copy bandwidth (forward, rows >= 4096): "
-              f"{len(long_rows) - len(low)}/{len(long_rows)} measurements")
+    parser = bc.parser(__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="rows,inner,latency",
+                        help="comma-separated subset of rows,inner,latency")
+    args = parser.parse_args(argv)
+    bench = bc.Bench(args, "softmax")
+    bench.note(f"nanfree backend: {nanfree.backend_info()['ops']['softmax'].get(torch.device(bench.device).type)}")
+    sections = args.sections.split(",")
+    for name, run in (("rows", bench_rows), ("inner", bench_inner_dim), ("latency", bench_latency)):
+        if name in sections:
+            run(bench)
+    bench.finish(summary(bench), plot(bench))
 
 
 if __name__ == "__main__":
