@@ -6,26 +6,26 @@
 // Layout. A task is one o and a block of up to `width` consecutive i, its
 // lanes: lane l is the row (o, i0 + l). Column j of a task, the entries
 // (o, j, i0 .. i0 + lanes - 1), is contiguous in memory, so every step below
-// is a vector operation across the lanes, and a task reads whole cache lines.
-// Tasks run in parallel.
+// is a vector operation across the lanes. Tasks run in parallel. Inside a
+// task the lanes go in groups of up to four vectors whose states and sums
+// stay in registers while the loop runs over the columns.
 //
-// Forward. The lanes' online (max, sum) states are built chunk by chunk: a
-// chunk of columns (at most kChunkElements entries, which stay in L1, and at
-// most kSumColumns columns) gets its max per lane, then its sum of exps per
-// lane, and is merged into the state with a vector lse_merge. softmax keeps each chunk's exps (in the output, or
-// in a float slab for half types) with the chunk's max and rescales them at
-// the end; log_softmax reads its input again. Lanes whose max is not finite
-// (NaN, +inf, or nothing but -inf) are recomputed with the shared scalar
-// rules of softmax_math.h, entry by entry.
+// Forward. The lanes' online (max, sum) states are built chunk by chunk of
+// kSumColumns columns (in L1): the chunk's max per lane, then its sum of exps
+// per lane, merged into the state with a vector lse_merge. softmax keeps each
+// chunk's exps (in the output, or in a float slab for half types) with the
+// chunk's max and rescales them at the end; log_softmax reads its input
+// again. Lanes whose max is not finite (NaN, +inf, or nothing but -inf) are
+// recomputed with the shared scalar rules of softmax_math.h, entry by entry.
 //
 // Backward. One pass for each lane's row sum, one for the outputs;
 // logsumexp's backward is one elementwise pass. Lanes without gradient are
 // zeroed, and lanes holding NaN where exp_u20 would hide it take the shared
 // scalar rules.
 //
-// Block widths: softmax and log_softmax size a task's block of columns (its
-// slab) to stay in L2 between the passes; logsumexp, which has no output pass,
-// takes the widest block.
+// Block widths: softmax and log_softmax forwards size a task's block (cols x
+// lanes, its slab) to stay in L2 between their passes; the others take the
+// widest block.
 #include "cpu/softmax_strided.h"
 
 #include <ATen/Dispatch.h>
@@ -47,7 +47,6 @@ namespace {
 
 constexpr int64_t kMaxWidth = 256;            // lanes per task, at most
 constexpr int64_t kSlabBytes = 256 * 1024;    // a task's columns, kept in L2 between passes
-constexpr int64_t kChunkElements = 4096;      // a forward chunk, kept in L1
 // Columns summed into one partial sum before it joins the lane's total, so a
 // long row's sum is not a long sequential sum (error ~ kSumColumns + cols /
 // kSumColumns roundings instead of ~ cols).
@@ -82,12 +81,6 @@ struct Lanes {
   const scalar_t* column(int64_t j) const { return base + j * stride; }
   bool keep(int64_t j, int64_t l) const {
     return mask == nullptr || mask[mask_offsets[l] + j * mask_col_stride];
-  }
-  // keep[l] for column j as bytes (requires a mask).
-  void load_keep(int64_t j, uint8_t* keep) const {
-    const auto* bytes = reinterpret_cast<const uint8_t*>(mask);
-    const int64_t col = j * mask_col_stride;
-    for (int64_t l = 0; l < count; ++l) keep[l] = bytes[mask_offsets[l] + col];
   }
 };
 
@@ -133,32 +126,6 @@ struct TaskGrid {
   }
 };
 
-// Column j in the accumulation type with dropped entries replaced by
-// `dropped`: the input itself for an unmasked float or double column, else
-// written into `buffer`.
-template <typename scalar_t, typename acc_t>
-const acc_t* load_column(const Lanes<scalar_t>& lanes, int64_t j, acc_t* buffer, uint8_t* keep,
-                         acc_t dropped) {
-  const acc_t* x = as_acc(lanes.column(j), lanes.count, buffer);
-  if (lanes.mask == nullptr) return x;
-  lanes.load_keep(j, keep);
-  for (int64_t l = 0; l < lanes.count; ++l) {
-    const acc_t v = x[l];
-    buffer[l] = keep[l] != 0 ? v : dropped;  // a plain select the compiler vectorizes
-  }
-  return buffer;
-}
-
-// Stores n accumulation-type values into the output's type.
-template <typename scalar_t, typename acc_t>
-void store_lanes(const acc_t* src, scalar_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (src != dst) std::copy(src, src + n, dst);
-  } else {
-    at::vec::map([](Vec<float> v) { return v; }, dst, src, n);
-  }
-}
-
 // Vector lse_scale(a, b) = exp(a - b) for a <= b: equal arguments (both -inf
 // for a lane with nothing yet, or equal maxima) give 1 instead of exp(NaN).
 template <typename acc_t>
@@ -178,10 +145,76 @@ acc_t lane_value(const Lanes<scalar_t>& lanes, int64_t j, int64_t l) {
   return masked_value(static_cast<acc_t>(lanes.column(j)[l]), lanes.keep(j, l));
 }
 
+// The kernels walk a task's lanes in groups of up to kGroupVectors vectors
+// whose running states and sums stay in registers across the columns (kept
+// in memory they cost a load and a store per vector and column). The last
+// vector of a task may be partial (masked loads and stores).
+constexpr int kGroupVectors = 4;
+
+// `count` lanes (at most a vector) from p, in the accumulation type; lanes
+// past `count` read 0.
+template <typename scalar_t>
+Vec<at::opmath_type<scalar_t>> load_vec(const scalar_t* p, int64_t count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return Vec<acc_t>::loadu(p, count);
+  } else {  // the first half of a float16 / bfloat16 vector
+    return std::get<0>(at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(p, count)));
+  }
+}
+
+template <typename scalar_t>
+void store_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count) {
+  if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
+    v.store(p, count);
+  } else {
+    at::vec::convert_from_float<scalar_t>(v, v).store(p, count);
+  }
+}
+
+// A group of vectors of a task's lanes: vector v holds lanes
+// [first + v * width, first + v * width + lanes(v)).
+struct LaneGroup {
+  int64_t first;
+  int vectors;
+  int64_t last_lanes;
+  int64_t lanes(int v, int64_t width) const { return v + 1 < vectors ? width : last_lanes; }
+};
+
+// Calls body(group) for the task's lanes [0, n), kGroupVectors vectors at a time.
+template <typename acc_t, typename Body>
+void for_each_group(int64_t n, Body&& body) {
+  constexpr int64_t width = Vec<acc_t>::size();
+  for (int64_t first = 0; first < n; first += kGroupVectors * width) {
+    const int64_t lanes = std::min<int64_t>(kGroupVectors * width, n - first);
+    const int vectors = static_cast<int>((lanes + width - 1) / width);
+    body(LaneGroup{first, vectors, lanes - (vectors - 1) * width});
+  }
+}
+
+// keep(j) of the group's lanes as a vector mask (all bits set where kept).
+template <typename scalar_t, typename acc_t>
+Vec<acc_t> keep_vec(const Lanes<scalar_t>& lanes, int64_t j, int64_t first, int64_t count) {
+  acc_t flags[Vec<acc_t>::size()] = {};
+  for (int64_t l = 0; l < count; ++l) flags[l] = lanes.keep(j, first + l) ? acc_t(1) : acc_t(0);
+  return Vec<acc_t>::loadu(flags) != Vec<acc_t>(acc_t(0));
+}
+
+// The entries softmax sees in `count` lanes of column j (first lane `first`):
+// dropped entries are -inf.
+template <typename scalar_t, typename acc_t>
+Vec<acc_t> load_seen(const Lanes<scalar_t>& lanes, int64_t j, int64_t first, int64_t count) {
+  const Vec<acc_t> x = load_vec(lanes.column(j) + first, count);
+  if (lanes.mask == nullptr) return x;
+  return Vec<acc_t>::blendv(Vec<acc_t>(-nf_inf<acc_t>()), x,
+                            keep_vec<scalar_t, acc_t>(lanes, j, first, count));
+}
+
 template <SoftmaxKind kind, typename scalar_t>
 NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
+  constexpr int64_t vw = V::size();
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
   const SoftmaxShape s = args.shape;
   const MaskView mask = args.mask;
@@ -191,81 +224,84 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
   acc_t* stats = args.stats.mutable_data_ptr<acc_t>();
   const TaskGrid grid(s, lane_width<acc_t>(s, kind == SoftmaxKind::LogSumExp ? 0 : 1));
   const int64_t width = grid.width;
-  const int64_t chunk_cols =
-      std::clamp<int64_t>(kChunkElements / width, 1, kSumColumns);
-  const int64_t chunks = (s.cols + chunk_cols - 1) / chunk_cols;
+  const int64_t chunks = (s.cols + kSumColumns - 1) / kSumColumns;
 
   at::parallel_for(0, grid.count(), grid.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> row_max(width), row_sum(width), chunk_max(width), chunk_sum(width),
-        shift(width), lane_tmp(width), y_buf(width);
+    std::vector<acc_t> row_max(width), row_sum(width);
     std::vector<int64_t> mask_offsets(masked ? width : 0);
-    std::vector<uint8_t> keep(width), special(width);
-    std::vector<const acc_t*> cols_ptr(chunk_cols);
-    // A chunk's columns in the accumulation type (half types or a mask).
-    auto chunk_buffer = scratch_row<acc_t>(chunk_cols * width, !same_type || masked);
+    std::vector<uint8_t> special(width);
     // softmax: each chunk's max per lane, and (half types) every exp in float.
     std::vector<acc_t> chunk_maxima(kind == SoftmaxKind::Softmax ? chunks * width : 0);
     auto exp_slab = scratch_row<acc_t>(s.cols * width, kind == SoftmaxKind::Softmax && !same_type);
 
     for (int64_t index = begin; index < end; ++index) {
       const Task task = grid.task(index);
-      const int64_t o = task.o, i0 = task.i0, n = task.lanes;
+      const int64_t n = task.lanes;
       fill_mask_offsets(mask, task.first_row, n, mask_offsets.data());
       const Lanes<scalar_t> lanes = grid.lanes(in, task, mask, mask_offsets.data());
       scalar_t* out_base = out + task.offset;
-      // Where the exps of column j go (softmax): the output itself for float
-      // and double, else the float slab.
-      const auto exps_of = [&](int64_t j) -> acc_t* {
+      // Where the exps of column j, lane l go (softmax): the output itself
+      // for float and double, else the float slab.
+      const auto exps_at = [&](int64_t j, int64_t l) -> acc_t* {
         if constexpr (same_type) {
-          return out_base + j * s.inner;
+          return out_base + j * s.inner + l;
         } else {
-          return exp_slab.get() + j * width;
+          return exp_slab.get() + j * width + l;
         }
       };
-      std::fill_n(row_max.begin(), n, -nf_inf<acc_t>());
-      std::fill_n(row_sum.begin(), n, acc_t(0));
 
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t j0 = c * chunk_cols, cols_here = std::min(chunk_cols, s.cols - j0);
-        for (int64_t jj = 0; jj < cols_here; ++jj) {
-          cols_ptr[jj] = load_column(lanes, j0 + jj, chunk_buffer.get() + jj * width, keep.data(),
-                                     -nf_inf<acc_t>());
+      // The lanes' online states, chunk by chunk of kSumColumns columns.
+      for_each_group<acc_t>(n, [&](const LaneGroup& group) {
+        V m[kGroupVectors], sum[kGroupVectors];
+        for (int v = 0; v < kGroupVectors; ++v) {
+          m[v] = V(-nf_inf<acc_t>());
+          sum[v] = V(acc_t(0));
         }
-        // The chunk's max per lane; a NaN propagates (such a lane is special).
-        std::copy_n(cols_ptr[0], n, chunk_max.begin());
-        for (int64_t jj = 1; jj < cols_here; ++jj) {
-          at::vec::map2([](V a, V b) { return at::vec::maximum(a, b); }, chunk_max.data(),
-                        chunk_max.data(), cols_ptr[jj], n);
-        }
-        // A lane of nothing but -inf in this chunk adds exp(-inf - 0) = 0
-        // instead of exp(-inf - (-inf)) = NaN.
-        at::vec::map([](V m) { return V::blendv(m, V(acc_t(0)), m == V(-nf_inf<acc_t>())); },
-                     shift.data(), chunk_max.data(), n);
-        std::fill_n(chunk_sum.begin(), n, acc_t(0));
-        for (int64_t jj = 0; jj < cols_here; ++jj) {
-          const acc_t* x = cols_ptr[jj];
-          acc_t* exps = kind == SoftmaxKind::Softmax ? exps_of(j0 + jj) : nullptr;
-          for (int64_t l = 0; l < n; l += V::size()) {
-            const int64_t k = std::min<int64_t>(V::size(), n - l);
-            const V e = shifted_exp(V::loadu(x + l, k) - V::loadu(shift.data() + l, k));
-            if (exps != nullptr) e.store(exps + l, k);
-            (V::loadu(chunk_sum.data() + l, k) + e).store(chunk_sum.data() + l, k);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t j0 = c * kSumColumns, j1 = std::min(s.cols, j0 + kSumColumns);
+          V cm[kGroupVectors], cs[kGroupVectors], shift[kGroupVectors];
+          for (int v = 0; v < kGroupVectors; ++v) cm[v] = V(-nf_inf<acc_t>());
+          // The chunk's max per lane; a NaN propagates (such a lane is special).
+          for (int64_t j = j0; j < j1; ++j) {
+#pragma GCC unroll 4
+            for (int v = 0; v < kGroupVectors; ++v) {
+              if (v >= group.vectors) break;
+              const V x = load_seen<scalar_t, acc_t>(lanes, j, group.first + v * vw, group.lanes(v, vw));
+              cm[v] = at::vec::maximum(cm[v], x);
+            }
+          }
+          for (int v = 0; v < kGroupVectors; ++v) {
+            // A lane of nothing but -inf in this chunk adds exp(-inf - 0) = 0
+            // instead of exp(-inf - (-inf)) = NaN.
+            shift[v] = V::blendv(cm[v], V(acc_t(0)), cm[v] == V(-nf_inf<acc_t>()));
+            cs[v] = V(acc_t(0));
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+#pragma GCC unroll 4
+            for (int v = 0; v < kGroupVectors; ++v) {
+              if (v >= group.vectors) break;
+              const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+              const V e = shifted_exp(load_seen<scalar_t, acc_t>(lanes, j, l, k) - shift[v]);
+              if constexpr (kind == SoftmaxKind::Softmax) e.store(exps_at(j, l), k);
+              cs[v] = cs[v] + e;
+            }
+          }
+          for (int v = 0; v < group.vectors; ++v) {
+            if constexpr (kind == SoftmaxKind::Softmax) {
+              cm[v].store(chunk_maxima.data() + c * width + group.first + v * vw, group.lanes(v, vw));
+            }
+            // lse_merge of the lanes' states with the chunk's.
+            const V merged = at::vec::maximum(m[v], cm[v]);
+            sum[v] = sum[v] * lse_scale_vec(m[v], merged) + cs[v] * lse_scale_vec(cm[v], merged);
+            m[v] = merged;
           }
         }
-        if constexpr (kind == SoftmaxKind::Softmax) {
-          std::copy_n(chunk_max.begin(), n, chunk_maxima.begin() + c * width);
+        for (int v = 0; v < group.vectors; ++v) {
+          const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+          m[v].store(row_max.data() + l, k);
+          sum[v].store(row_sum.data() + l, k);
         }
-        // lse_merge of the lanes' states with the chunk's.
-        for (int64_t l = 0; l < n; l += V::size()) {
-          const int64_t k = std::min<int64_t>(V::size(), n - l);
-          const V m = V::loadu(row_max.data() + l, k), cm = V::loadu(chunk_max.data() + l, k);
-          const V merged = at::vec::maximum(m, cm);
-          const V sum = V::loadu(row_sum.data() + l, k) * lse_scale_vec(m, merged) +
-                        V::loadu(chunk_sum.data() + l, k) * lse_scale_vec(cm, merged);
-          merged.store(row_max.data() + l, k);
-          sum.store(row_sum.data() + l, k);
-        }
-      }
+      });
 
       // Lanes with a non-finite max: the exact state from the shared update,
       // entry by entry (their vector state may hold NaN from inf - inf).
@@ -282,39 +318,57 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
       for (int64_t l = 0; l < n; ++l) {
         const LseState<acc_t> state{row_max[l], row_sum[l]};
         const RowStats<acc_t> st = row_stats(state);
-        stats[stats_offset(s, o, 0, i0 + l)] = st.max;
-        stats[stats_offset(s, o, 1, i0 + l)] = st.log_sum;
+        stats[stats_offset(s, task.o, 0, task.i0 + l)] = st.max;
+        stats[stats_offset(s, task.o, 1, task.i0 + l)] = st.log_sum;
         if constexpr (kind == SoftmaxKind::LogSumExp) {
-          out[o * s.inner + i0 + l] = static_cast<scalar_t>(lse_value(state));
+          out[task.first_row + l] = static_cast<scalar_t>(lse_value(state));
         }
       }
       if constexpr (kind == SoftmaxKind::LogSumExp) continue;
 
-      if constexpr (kind == SoftmaxKind::Softmax) {
-        // exps * lse_scale(chunk max, max) / sum, chunk by chunk; a chunk lane
-        // of only -inf has exps 0 and a -inf chunk max, so it stays 0.
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t j0 = c * chunk_cols, cols_here = std::min(chunk_cols, s.cols - j0);
-          at::vec::map3(
-              [](V cm, V m, V sum) { return lse_scale_vec(cm, m) / sum; }, lane_tmp.data(),
-              chunk_maxima.data() + c * width, row_max.data(), row_sum.data(), n);
-          for (int64_t jj = 0; jj < cols_here; ++jj) {
-            acc_t* exps = exps_of(j0 + jj);
-            at::vec::map2([](V e, V factor) { return e * factor; }, exps, exps, lane_tmp.data(), n);
-            store_lanes(exps, out_base + (j0 + jj) * s.inner, n);
+      for_each_group<acc_t>(n, [&](const LaneGroup& group) {
+        V m[kGroupVectors], scale[kGroupVectors];
+        for (int v = 0; v < group.vectors; ++v) {
+          const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+          m[v] = V::loadu(row_max.data() + l, k);
+          // softmax: 1 / sum; log_softmax: log(sum). Lanes past k read 0, and
+          // the 1 / 0 = inf or log 0 = -inf they give is never stored.
+          const V sum = V::loadu(row_sum.data() + l, k);
+          scale[v] = kind == SoftmaxKind::Softmax ? V(acc_t(1)) / sum : sum.log();
+        }
+        if constexpr (kind == SoftmaxKind::Softmax) {
+          // exps * lse_scale(chunk max, max) / sum, chunk by chunk; a chunk lane
+          // of only -inf has exps 0 and a -inf chunk max, so it stays 0.
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t j0 = c * kSumColumns, j1 = std::min(s.cols, j0 + kSumColumns);
+            V factor[kGroupVectors];
+            for (int v = 0; v < group.vectors; ++v) {
+              const V cm = V::loadu(chunk_maxima.data() + c * width + group.first + v * vw,
+                                    group.lanes(v, vw));
+              factor[v] = lse_scale_vec(cm, m[v]) * scale[v];
+            }
+            for (int64_t j = j0; j < j1; ++j) {
+#pragma GCC unroll 4
+              for (int v = 0; v < kGroupVectors; ++v) {
+                if (v >= group.vectors) break;
+                const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+                store_vec(V::loadu(exps_at(j, l), k) * factor[v], out_base + j * s.inner + l, k);
+              }
+            }
+          }
+        } else {
+          // (x - max) - log_sum: a -inf entry (dropped or not) stays -inf.
+          for (int64_t j = 0; j < s.cols; ++j) {
+#pragma GCC unroll 4
+            for (int v = 0; v < kGroupVectors; ++v) {
+              if (v >= group.vectors) break;
+              const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+              const V x = load_seen<scalar_t, acc_t>(lanes, j, l, k);
+              store_vec((x - m[v]) - scale[v], out_base + j * s.inner + l, k);
+            }
           }
         }
-      } else {
-        // (x - max) - log_sum: a -inf entry (dropped or not) stays -inf.
-        for (int64_t l = 0; l < n; ++l) lane_tmp[l] = std::log(row_sum[l]);
-        for (int64_t j = 0; j < s.cols; ++j) {
-          const acc_t* x = load_column(lanes, j, chunk_buffer.get(), keep.data(), -nf_inf<acc_t>());
-          acc_t* y = acc_destination(out_base + j * s.inner, y_buf.data());
-          at::vec::map3([](V v, V m, V log_sum) { return (v - m) - log_sum; }, y, x,
-                        row_max.data(), lane_tmp.data(), n);
-          store_lanes(y, out_base + j * s.inner, n);
-        }
-      }
+      });
       if (!any_special) continue;
       // The shared per-entry rules for the empty, +inf and NaN lanes.
       for (int64_t l = 0; l < n; ++l) {
@@ -337,81 +391,98 @@ template <SoftmaxKind kind, typename scalar_t>
 NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
+  constexpr int64_t vw = V::size();
   constexpr bool log_softmax = kind == SoftmaxKind::LogSoftmax;
   const SoftmaxShape s = args.shape;
   // softmax's backward takes no mask: a dropped entry's output is 0.
-  const MaskView mask = log_softmax ? args.mask : MaskView{nullptr, {1, 1, 1}, {0, 0, 0}, 0};
+  const MaskView mask = log_softmax ? args.mask : MaskView{};
   const bool masked = mask.data != nullptr;
   const scalar_t* g_all = args.grad.const_data_ptr<scalar_t>();
   const scalar_t* y_all = args.saved.const_data_ptr<scalar_t>();
   const acc_t* stats = args.stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
-  const TaskGrid grid(s, lane_width<acc_t>(s, 2));
+  const TaskGrid grid(s, lane_width<acc_t>(s, 0));
   const int64_t width = grid.width;
 
   at::parallel_for(0, grid.count(), grid.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> total(width), partial(width), g_buf(width), y_buf(width), dx_buf(width);
+    std::vector<acc_t> totals(width);
     std::vector<int64_t> mask_offsets(masked ? width : 0);
-    std::vector<uint8_t> keep(width);
     for (int64_t index = begin; index < end; ++index) {
       const Task task = grid.task(index);
-      const int64_t o = task.o, i0 = task.i0, n = task.lanes;
+      const int64_t n = task.lanes;
       fill_mask_offsets(mask, task.first_row, n, mask_offsets.data());
       const Lanes<scalar_t> g_lanes = grid.lanes(g_all, task, mask, mask_offsets.data());
-      const Lanes<scalar_t> y_lanes = grid.lanes(y_all, task, MaskView{}, nullptr);
+      const scalar_t* g_base = g_all + task.offset;
+      const scalar_t* y_base = y_all + task.offset;
       scalar_t* dx_base = dx_all + task.offset;
 
-      std::fill_n(total.begin(), n, acc_t(0));
-      for (int64_t j0 = 0; j0 < s.cols; j0 += kSumColumns) {
-        std::fill_n(partial.begin(), n, acc_t(0));
-        for (int64_t j = j0; j < std::min(s.cols, j0 + kSumColumns); ++j) {
-          // log_softmax sums the kept g only: a dropped entry adds 0.
-          const acc_t* g = load_column(g_lanes, j, g_buf.data(), keep.data(), acc_t(0));
-          if constexpr (log_softmax) {
-            at::vec::map2([](V t, V gv) { return t + gv; }, partial.data(), partial.data(), g, n);
-          } else {
-            const acc_t* y = as_acc(y_lanes.column(j), n, y_buf.data());
-            at::vec::map3([](V t, V gv, V yv) { return t + gv * yv; }, partial.data(),
-                          partial.data(), g, y, n);
-          }
-        }
-        at::vec::map2([](V t, V p) { return t + p; }, total.data(), total.data(), partial.data(), n);
-      }
-      for (int64_t j = 0; j < s.cols; ++j) {
-        const acc_t* g = as_acc(g_lanes.column(j), n, g_buf.data());
-        const acc_t* y = as_acc(y_lanes.column(j), n, y_buf.data());
-        acc_t* dx = acc_destination(dx_base + j * s.inner, dx_buf.data());
-        if constexpr (log_softmax) {
-          // g - exp(y) * sum, as log_softmax_grad_value.
-          at::vec::map3([](V gv, V yv, V t) { return gv - shifted_exp(yv) * t; }, dx, g, y,
-                        total.data(), n);
-          if (masked) {
-            g_lanes.load_keep(j, keep.data());
-            // As log_softmax_grad_value: a dropped entry receives 0.
-            for (int64_t l = 0; l < n; ++l) {
-              const acc_t v = dx[l];
-              dx[l] = keep[l] != 0 ? v : acc_t(0);
+      for_each_group<acc_t>(n, [&](const LaneGroup& group) {
+        V total[kGroupVectors];
+        for (int v = 0; v < kGroupVectors; ++v) total[v] = V(acc_t(0));
+        // The row sums, in partial sums of kSumColumns columns.
+        for (int64_t j0 = 0; j0 < s.cols; j0 += kSumColumns) {
+          V partial[kGroupVectors];
+          for (int v = 0; v < kGroupVectors; ++v) partial[v] = V(acc_t(0));
+          for (int64_t j = j0; j < std::min(s.cols, j0 + kSumColumns); ++j) {
+            const int64_t row = j * s.inner + group.first;
+#pragma GCC unroll 4
+            for (int v = 0; v < kGroupVectors; ++v) {
+              if (v >= group.vectors) break;
+              const int64_t k = group.lanes(v, vw);
+              const V g = load_vec(g_base + row + v * vw, k);
+              if constexpr (log_softmax) {
+                // log_softmax sums the kept g only: a dropped entry adds 0.
+                partial[v] = partial[v] + (masked ? V::blendv(V(acc_t(0)), g,
+                                                              keep_vec<scalar_t, acc_t>(g_lanes, j, group.first + v * vw, k))
+                                                  : g);
+              } else {
+                partial[v] = at::vec::fmadd(g, load_vec(y_base + row + v * vw, k), partial[v]);
+              }
             }
           }
-        } else {
-          // y * (g - dot), as softmax_grad_value; a NaN row's y and dot carry its NaN.
-          at::vec::map3([](V gv, V yv, V t) { return yv * (gv - t); }, dx, g, y, total.data(), n);
+          for (int v = 0; v < kGroupVectors; ++v) total[v] = total[v] + partial[v];
         }
-        store_lanes(dx, dx_base + j * s.inner, n);
-      }
+        for (int64_t j = 0; j < s.cols; ++j) {
+          const int64_t row = j * s.inner + group.first;
+#pragma GCC unroll 4
+          for (int v = 0; v < kGroupVectors; ++v) {
+            if (v >= group.vectors) break;
+            const int64_t k = group.lanes(v, vw);
+            const V g = load_vec(g_base + row + v * vw, k);
+            const V y = load_vec(y_base + row + v * vw, k);
+            V dx;
+            if constexpr (log_softmax) {
+              // g - exp(y) * sum, as log_softmax_grad_value; a dropped entry receives 0.
+              dx = g - shifted_exp(y) * total[v];
+              if (masked) {
+                dx = V::blendv(V(acc_t(0)), dx,
+                               keep_vec<scalar_t, acc_t>(g_lanes, j, group.first + v * vw, k));
+              }
+            } else {
+              // y * (g - dot), as softmax_grad_value; a NaN row's y and dot carry its NaN.
+              dx = y * (g - total[v]);
+            }
+            store_vec(dx, dx_base + row + v * vw, k);
+          }
+        }
+        for (int v = 0; v < group.vectors; ++v) {
+          total[v].store(totals.data() + group.first + v * vw, group.lanes(v, vw));
+        }
+      });
+
       for (int64_t l = 0; l < n; ++l) {
-        const RowStats<acc_t> row{stats[stats_offset(s, o, 0, i0 + l)],
-                                  stats[stats_offset(s, o, 1, i0 + l)]};
+        const RowStats<acc_t> row{stats[stats_offset(s, task.o, 0, task.i0 + l)],
+                                  stats[stats_offset(s, task.o, 1, task.i0 + l)]};
         if (!row_has_gradient(row)) {
           // An empty or +inf row passes no gradient.
           for (int64_t j = 0; j < s.cols; ++j) dx_base[j * s.inner + l] = scalar_t(0);
         } else if (log_softmax && std::isnan(row.log_sum)) {
           // exp_u20 would turn the NaN outputs of a NaN row into numbers.
           for (int64_t j = 0; j < s.cols; ++j) {
-            const acc_t g = static_cast<acc_t>(g_lanes.column(j)[l]);
-            const acc_t y = static_cast<acc_t>(y_lanes.column(j)[l]);
+            const acc_t g = static_cast<acc_t>(g_base[j * s.inner + l]);
+            const acc_t y = static_cast<acc_t>(y_base[j * s.inner + l]);
             dx_base[j * s.inner + l] =
-                static_cast<scalar_t>(log_softmax_grad_value(g, y, total[l], g_lanes.keep(j, l)));
+                static_cast<scalar_t>(log_softmax_grad_value(g, y, totals[l], g_lanes.keep(j, l)));
           }
         }
       }
@@ -423,6 +494,7 @@ template <typename scalar_t>
 NANFREE_HOT_LOOP void logsumexp_backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
+  constexpr int64_t vw = V::size();
   const SoftmaxShape s = args.shape;
   const MaskView mask = args.mask;
   const bool masked = mask.data != nullptr;
@@ -434,44 +506,53 @@ NANFREE_HOT_LOOP void logsumexp_backward_kernel(const BackwardArgs& args) {
   const int64_t width = grid.width;
 
   at::parallel_for(0, grid.count(), grid.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> g(width), row_max(width), log_sum(width), x_buf(width), dx_buf(width);
+    std::vector<acc_t> g(width), row_max(width), log_sum(width);
     std::vector<int64_t> mask_offsets(masked ? width : 0);
-    std::vector<uint8_t> keep(width);
     for (int64_t index = begin; index < end; ++index) {
       const Task task = grid.task(index);
-      const int64_t o = task.o, i0 = task.i0, n = task.lanes;
+      const int64_t n = task.lanes;
       fill_mask_offsets(mask, task.first_row, n, mask_offsets.data());
       const Lanes<scalar_t> x_lanes = grid.lanes(x_all, task, mask, mask_offsets.data());
+      const scalar_t* x_base = x_all + task.offset;
       scalar_t* dx_base = dx_all + task.offset;
       for (int64_t l = 0; l < n; ++l) {
         g[l] = static_cast<acc_t>(g_all[task.first_row + l]);
-        row_max[l] = stats[stats_offset(s, o, 0, i0 + l)];
-        log_sum[l] = stats[stats_offset(s, o, 1, i0 + l)];
+        row_max[l] = stats[stats_offset(s, task.o, 0, task.i0 + l)];
+        log_sum[l] = stats[stats_offset(s, task.o, 1, task.i0 + l)];
       }
-      for (int64_t j = 0; j < s.cols; ++j) {
-        const acc_t* x = as_acc(x_lanes.column(j), n, x_buf.data());
-        acc_t* dx = acc_destination(dx_base + j * s.inner, dx_buf.data());
-        // g * exp(x - max - log_sum), as logsumexp_grad_value.
-        at::vec::map3([](V xv, V m, V ls) { return shifted_exp((xv - m) - ls); }, dx, x,
-                      row_max.data(), log_sum.data(), n);
-        at::vec::map2([](V e, V gv) { return e * gv; }, dx, dx, g.data(), n);
-        if (masked) {
-          x_lanes.load_keep(j, keep.data());
-          // As logsumexp_grad_value: a dropped entry receives 0, whatever it held.
-          for (int64_t l = 0; l < n; ++l) {
-            const acc_t v = dx[l];
-            dx[l] = keep[l] != 0 ? v : acc_t(0);
+      for_each_group<acc_t>(n, [&](const LaneGroup& group) {
+        V gv[kGroupVectors], max_v[kGroupVectors], log_sum_v[kGroupVectors];
+        for (int v = 0; v < group.vectors; ++v) {
+          const int64_t l = group.first + v * vw, k = group.lanes(v, vw);
+          gv[v] = V::loadu(g.data() + l, k);
+          max_v[v] = V::loadu(row_max.data() + l, k);
+          log_sum_v[v] = V::loadu(log_sum.data() + l, k);
+        }
+        for (int64_t j = 0; j < s.cols; ++j) {
+          const int64_t row = j * s.inner + group.first;
+#pragma GCC unroll 4
+          for (int v = 0; v < kGroupVectors; ++v) {
+            if (v >= group.vectors) break;
+            const int64_t k = group.lanes(v, vw);
+            const V x = load_vec(x_base + row + v * vw, k);
+            // g * exp((x - max) - log_sum), as logsumexp_grad_value.
+            V dx = gv[v] * shifted_exp((x - max_v[v]) - log_sum_v[v]);
+            if (masked) {
+              // As logsumexp_grad_value: a dropped entry receives 0, whatever it held.
+              dx = V::blendv(V(acc_t(0)), dx,
+                             keep_vec<scalar_t, acc_t>(x_lanes, j, group.first + v * vw, k));
+            }
+            store_vec(dx, dx_base + row + v * vw, k);
           }
         }
-        store_lanes(dx, dx_base + j * s.inner, n);
-      }
+      });
       for (int64_t l = 0; l < n; ++l) {
         const RowStats<acc_t> row{row_max[l], log_sum[l]};
         // Rows without gradient get 0; a NaN row takes the shared rule
         // (exp_u20 would turn its NaN into a number).
         if (row_has_gradient(row) && !std::isnan(row.log_sum)) continue;
         for (int64_t j = 0; j < s.cols; ++j) {
-          const acc_t x = static_cast<acc_t>(x_lanes.column(j)[l]);
+          const acc_t x = static_cast<acc_t>(x_base[j * s.inner + l]);
           const acc_t d = row_has_gradient(row)
                               ? logsumexp_grad_value(g[l], x, row, x_lanes.keep(j, l))
                               : acc_t(0);
