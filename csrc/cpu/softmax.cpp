@@ -100,13 +100,6 @@ const acc_t* load_row(const scalar_t* src, int64_t n, MaskRow mask, acc_t* buffe
   return buffer;
 }
 
-// Largest value of x[0..n), NaN if any value is NaN.
-template <typename acc_t>
-acc_t chunk_max(const acc_t* x, int64_t n) {
-  return at::vec::reduce_all<acc_t>(
-      [](Vec<acc_t>& a, Vec<acc_t>& b) { return at::vec::maximum(a, b); }, x, n);
-}
-
 // sum(exp(x - max)) over x[0..n) for a finite max, also writing each
 // exp(x - max) to exps[0..n) in the same pass.
 
@@ -131,11 +124,11 @@ NANFREE_HOT_LOOP acc_t store_shifted_exps(const acc_t* x, acc_t max, acc_t* exps
   return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, sum);
 }
 
-// The logsumexp state of x[0..n). When `exps` is given, it receives
-// exp(x - chunk max) for a chunk with a finite max (the caller rescales it).
+// The logsumexp state of x[0..n), given m = row_max(x, n). When `exps` is
+// given, it receives exp(x - chunk max) for a chunk with a finite max (the
+// caller rescales it).
 template <typename acc_t>
-NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t* exps) {
-  const acc_t m = chunk_max(x, n);
+NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t m, acc_t* exps) {
   if (m == -nf_inf<acc_t>()) {
     // All entries -inf: the empty set, and exp(x - m) would be exp(NaN).
     if (exps != nullptr) std::fill(exps, exps + n, acc_t(0));
@@ -187,17 +180,35 @@ void forward_kernel(const ForwardArgs& args) {
       const auto load = [&](int64_t start, int64_t n) {
         return load_row(x_row + start, n, keep.from(start), chunk_buffer.get());
       };
+      // The same values and their max (NaN if one is NaN); float16 / bfloat16
+      // rows without a mask are widened and maxed in one pass.
+      const auto load_with_max = [&](int64_t start, int64_t n) -> std::pair<const acc_t*, acc_t> {
+        if constexpr (!same_type) {
+          if (keep.data == nullptr) {
+            const acc_t m = widen_max(x_row + start, chunk_buffer.get(), n);
+            return {chunk_buffer.get(), m};
+          }
+        }
+        const acc_t* x = load(start, n);
+        return {x, row_max(x, n)};
+      };
       acc_t* exps = kind != SoftmaxKind::Softmax ? nullptr
                      : buffered                     ? exp_buffer.get()
                                                     : acc_destination(out + r * cols, exp_buffer.get());
       LseState<acc_t> state = lse_empty<acc_t>();
+      const acc_t* last_loaded = nullptr;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
-        const LseState<acc_t> part =
-            chunk_state(load(start, n), n, exps == nullptr ? nullptr : exps + start);
+        const auto [x, m] = load_with_max(start, n);
+        const LseState<acc_t> part = chunk_state(x, n, m, exps == nullptr ? nullptr : exps + start);
         chunk_maxima[c] = part.max;
         state = c == 0 ? part : lse_merge(state, part);
+        last_loaded = x;
       }
+      // The output pass reads the values again: a single chunk's are still loaded.
+      const auto reload = [&](int64_t start, int64_t n) {
+        return chunks == 1 ? last_loaded : load(start, n);
+      };
       const acc_t log_sum = nf_log(state.sum);
       stats_out[2 * r] = state.max;
       stats_out[2 * r + 1] = log_sum;
@@ -219,12 +230,12 @@ void forward_kernel(const ForwardArgs& args) {
             // Scaled and stored (converted for half types) in one pass.
             at::vec::map([&](V e) { return e * factor; }, y + start, exps + start, n);
           } else {
-            const acc_t* x = load(start, n);
+            const acc_t* x = reload(start, n);
             for (int64_t j = 0; j < n; ++j) exps[start + j] = softmax_value(x[j], state, inv_sum);
             store_row(exps + start, y + start, n);
           }
         } else {
-          const acc_t* x = load(start, n);
+          const acc_t* x = reload(start, n);
           if (finite_row) {
             const V shift(state.max), log_sum_v(log_sum);
             // x - max - log_sum: a -inf entry (dropped or not) stays -inf, as log_softmax_value.
@@ -262,10 +273,9 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
 // to float in registers, so no row is copied. The formulas are those of the
 // shared *_grad_value functions.
 template <SoftmaxKind kind, typename scalar_t, typename acc_t>
-NANFREE_HOT_LOOP void unmasked_finite_row_backward(const scalar_t* g_all, const scalar_t* s_row,
+[[gnu::always_inline]] NANFREE_HOT_LOOP inline void unmasked_finite_row_backward(const scalar_t* g_all, const scalar_t* s_row,
                                   RowStats<acc_t> row, scalar_t* dx_row, int64_t r, int64_t cols) {
   using V = Vec<acc_t>;
-  const auto add = [](V& a, V& b) { return a + b; };
   if constexpr (kind == SoftmaxKind::LogSumExp) {
     const V g(static_cast<acc_t>(g_all[r])), max_v(row.max), log_sum_v(row.log_sum);
     // g * exp(x - max - log_sum), as logsumexp_grad_value.
@@ -273,13 +283,12 @@ NANFREE_HOT_LOOP void unmasked_finite_row_backward(const scalar_t* g_all, const 
                  cols);
   } else if constexpr (kind == SoftmaxKind::Softmax) {
     const scalar_t* g_row = g_all + r * cols;
-    const V dot(at::vec::map2_reduce_all<scalar_t>([](V g, V y) { return g * y; }, add, g_row,
-                                                   s_row, cols));
+    const V dot(row_dot(g_row, s_row, cols));
     // y * (g - dot), as softmax_grad_value.
     at::vec::map2([&](V g, V y) { return y * (g - dot); }, dx_row, g_row, s_row, cols);
   } else {
     const scalar_t* g_row = g_all + r * cols;
-    const V sum(at::vec::reduce_all<scalar_t>(add, g_row, cols));
+    const V sum(row_sum(g_row, cols));
     // g - exp(y) * sum, as log_softmax_grad_value.
     at::vec::map2([&](V g, V y) { return g - shifted_exp(y) * sum; }, dx_row, g_row, s_row, cols);
   }

@@ -151,27 +151,6 @@ acc_t lane_value(const Lanes<scalar_t>& lanes, int64_t j, int64_t l) {
 // vector of a task may be partial (masked loads and stores).
 constexpr int kGroupVectors = 4;
 
-// `count` lanes (at most a vector) from p, in the accumulation type; lanes
-// past `count` read 0.
-template <typename scalar_t>
-Vec<at::opmath_type<scalar_t>> load_vec(const scalar_t* p, int64_t count) {
-  using acc_t = at::opmath_type<scalar_t>;
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return Vec<acc_t>::loadu(p, count);
-  } else {  // the first half of a float16 / bfloat16 vector
-    return std::get<0>(at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(p, count)));
-  }
-}
-
-template <typename scalar_t>
-void store_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count) {
-  if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
-    v.store(p, count);
-  } else {
-    at::vec::convert_from_float<scalar_t>(v, v).store(p, count);
-  }
-}
-
 // A group of vectors of a task's lanes: vector v holds lanes
 // [first + v * width, first + v * width + lanes(v)).
 struct LaneGroup {

@@ -5,12 +5,14 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <type_traits>
 
@@ -101,6 +103,94 @@ inline const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buffer) {
     widen(src, buffer, n);
     return buffer;
   }
+}
+
+// `count` stored values (at most a vector) from p, in the accumulation type;
+// lanes past `count` read 0.
+template <typename scalar_t>
+inline Vec<at::opmath_type<scalar_t>> load_vec(const scalar_t* p, int64_t count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return Vec<acc_t>::loadu(p, count);
+  } else {  // the first half of a float16 / bfloat16 vector
+    return std::get<0>(at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(p, count)));
+  }
+}
+
+template <typename scalar_t>
+inline void store_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count) {
+  if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
+    v.store(p, count);
+  } else {
+    at::vec::convert_from_float<scalar_t>(v, v).store(p, count);
+  }
+}
+
+// Reductions of a row over four independent accumulators. With one, every
+// vector operation waits for the previous one's result, which bounds a row in
+// cache well below the load throughput (ATen's reduce_all keeps one).
+// load(j, count) gives the accumulation-type vector of entries [j, j + count);
+// lanes past count must hold `identity` (a tail is blended in).
+template <typename acc_t, typename Op, typename Load>
+[[gnu::always_inline]] inline acc_t reduce_row(int64_t n, acc_t identity, Op op, Load load) {
+  using V = Vec<acc_t>;
+  constexpr int64_t w = V::size();
+  V acc0(identity), acc1(identity), acc2(identity), acc3(identity);
+  int64_t j = 0;
+  for (; j + 4 * w <= n; j += 4 * w) {
+    acc0 = op(acc0, load(j, w));
+    acc1 = op(acc1, load(j + w, w));
+    acc2 = op(acc2, load(j + 2 * w, w));
+    acc3 = op(acc3, load(j + 3 * w, w));
+  }
+  for (; j + w <= n; j += w) acc0 = op(acc0, load(j, w));
+  if (j < n) acc1 = op(acc1, V::set(V(identity), load(j, n - j), n - j));
+  const V total = op(op(acc0, acc1), op(acc2, acc3));
+  return at::vec::vec_reduce_all<acc_t>([&](V& a, V& b) { return op(a, b); }, total);
+}
+
+// Largest value of x[0..n) (-inf for none), NaN if any value is NaN.
+template <typename acc_t>
+inline acc_t row_max(const acc_t* x, int64_t n) {
+  using V = Vec<acc_t>;
+  return reduce_row<acc_t>(
+      n, -std::numeric_limits<acc_t>::infinity(),
+      [](const V& a, const V& b) { return at::vec::maximum(a, b); },  // propagates NaN
+      [&](int64_t j, int64_t count) { return V::loadu(x + j, count); });
+}
+
+// widen, also returning the largest value (NaN if any value is NaN), in one pass.
+template <typename scalar_t>
+inline float widen_max(const scalar_t* src, float* dst, int64_t n) {
+  using V = Vec<float>;
+  return reduce_row<float>(
+      n, -std::numeric_limits<float>::infinity(),
+      [](const V& a, const V& b) { return at::vec::maximum(a, b); },  // propagates NaN
+      [&](int64_t j, int64_t count) {
+        const V v = load_vec(src + j, count);
+        v.store(dst + j, count);
+        return v;
+      });
+}
+
+// sum(a[j] * b[j]) over n stored values, in the accumulation type.
+template <typename scalar_t>
+inline at::opmath_type<scalar_t> row_dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  return reduce_row<acc_t>(n, acc_t(0), [](const V& x, const V& y) { return x + y; },
+                           [&](int64_t j, int64_t count) {
+                             return load_vec(a + j, count) * load_vec(b + j, count);
+                           });
+}
+
+// sum(a[j]) over n stored values, in the accumulation type.
+template <typename scalar_t>
+inline at::opmath_type<scalar_t> row_sum(const scalar_t* a, int64_t n) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  return reduce_row<acc_t>(n, acc_t(0), [](const V& x, const V& y) { return x + y; },
+                           [&](int64_t j, int64_t count) { return load_vec(a + j, count); });
 }
 
 }  // namespace cpu
