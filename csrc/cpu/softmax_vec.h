@@ -112,7 +112,11 @@ inline Vec<at::opmath_type<scalar_t>> load_vec(const scalar_t* p, int64_t count)
   using acc_t = at::opmath_type<scalar_t>;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return Vec<acc_t>::loadu(p, count);
-  } else {  // the first half of a float16 / bfloat16 vector
+  } else if (count == Vec<acc_t>::size()) {  // one plain half-width load
+    Vec<acc_t> v;
+    at::vec::load_to_float<scalar_t>(p, v);
+    return v;
+  } else {  // the first half of a masked float16 / bfloat16 vector
     return std::get<0>(at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(p, count)));
   }
 }
