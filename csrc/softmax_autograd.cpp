@@ -15,6 +15,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/autograd.h"
 #include "common/find_op.h"
 #include "common/softmax_op.h"
 
@@ -90,19 +91,9 @@ struct BackwardOpFunction : public torch::autograd::Function<Self> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(false, "nanfree: ", backward_name(kind),
-                " has no derivative: double backward (differentiating a gradient) of the "
-                "softmax family is not implemented");
-    return {};
+    refuse_double_backward(backward_name(kind), "softmax");
   }
 };
-
-// Whether a call must record an autograd node. Without one the op runs
-// straight below autograd: building a node costs about a microsecond, a
-// third of a small tensor's call.
-inline bool needs_graph(const at::Tensor& t) {
-  return at::GradMode::is_enabled() && t.requires_grad();
-}
 
 // The graph nodes, named as torch names its own (grad_fn=<NanfreeSoftmaxBackward>).
 struct NanfreeSoftmaxBackward final

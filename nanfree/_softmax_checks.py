@@ -6,22 +6,7 @@ import math
 
 import torch
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_float(op, name, t):
-    if t.dtype not in _FLOATS:
-        raise TypeError(
-            f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
-
-
-def _check_device(op, name, ref, t):
-    if t.device != ref.device:
-        raise ValueError(f"nanfree.{op}: `{name}` is on {t.device} but `input` is on {ref.device}")
+from ._checks import acc_dtype, check_device, check_float  # noqa: F401  (re-exported)
 
 
 def wrap_dim(op, t, dim):
@@ -47,7 +32,7 @@ def broadcast_mask(op, ref, mask):
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"nanfree.{op}: `mask` must be bool or integer (nonzero = keep), "
                         f"got {mask.dtype}")
-    _check_device(op, "mask", ref, mask)
+    check_device(op, "mask", ref, mask)
     if not _broadcasts_to(mask.shape, ref.shape):
         raise ValueError(f"nanfree.{op}: `mask` of shape {list(mask.shape)} does not broadcast "
                          f"to the input's shape {list(ref.shape)}")
@@ -96,5 +81,5 @@ def check_backward(op, grad, saved, stats, dim, mask, per_row_grad):
     if stats.shape != stats_shape(saved, dim) or stats.dtype != acc_dtype(saved.dtype):
         raise ValueError(f"nanfree.{op}: `stats` must be the forward's saved row statistics")
     for name, t in (("grad_output", grad), ("stats", stats)):
-        _check_device(op, name, saved, t)
+        check_device(op, name, saved, t)
     return dim, broadcast_mask(op, saved, mask)

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/checks.h"
 #include "nanfree/softmax_math.h"
 
 namespace nanfree {
@@ -42,19 +43,6 @@ inline std::string forward_name(SoftmaxKind kind) {
   return std::string("nanfree::") + op_name(kind);
 }
 inline std::string backward_name(SoftmaxKind kind) { return forward_name(kind) + "_backward"; }
-
-// TypeError in Python.
-inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "nanfree.", op, ": `", name,
-                   "` must be float16, bfloat16, float32 or float64, got ", t.scalar_type());
-}
-
-// ValueError in Python.
-inline void check_same_device(const char* op, const char* name, const at::Tensor& ref,
-                              const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), "nanfree.", op, ": `", name, "` is on ",
-                    t.device(), " but `input` is on ", ref.device());
-}
 
 // `dim` wrapped into [0, rank) (a 0-d tensor counts as one dimension); IndexError otherwise.
 inline int64_t wrap_dim(const char* op, const at::Tensor& input, int64_t dim) {
@@ -112,11 +100,6 @@ inline std::vector<int64_t> stats_shape(const at::Tensor& input, int64_t dim) {
   if (shape.empty()) return {2};
   shape[dim] = 2;
   return shape;
-}
-
-// Accumulation dtype, also of the saved row statistics: float64 for float64, else float32.
-inline at::ScalarType acc_dtype(at::ScalarType input) {
-  return input == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 // Describes a bool mask of the input's shape (any strides, 0 for broadcast)

@@ -21,7 +21,7 @@
 
 #include "common/softmax_op.h"
 #include "cpu/softmax_strided.h"
-#include "cpu/softmax_vec.h"
+#include "cpu/vec.h"
 
 namespace nanfree {
 namespace {

@@ -39,7 +39,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu/softmax_vec.h"
+#include "cpu/vec.h"
 
 namespace nanfree {
 namespace cpu {

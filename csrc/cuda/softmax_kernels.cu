@@ -347,65 +347,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// ---------------------------------------------------------------------------
-// Launch planning and template dispatch (host).
-
-struct Plan {
-  bool vec;      // 16-byte vectors
-  int iters;     // vectors cached per thread; 0: streamed
-  int group;     // threads per row
-  int threads;   // per block
-  int blocks;
-};
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-inline int block_count(int64_t rows, int group, int threads) {
-  const int64_t per_block = threads / group;
-  const int64_t blocks = ceil_div(rows, per_block);
-  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-inline Plan finish_plan(Plan p, int64_t rows) {
-  p.threads = p.group > kMinThreads ? p.group : kMinThreads;
-  p.blocks = block_count(rows, p.group, p.threads);
-  return p;
-}
-
-// Rows up to 32 vectors get the smallest power-of-two group that covers them
-// (several rows per warp); longer rows a warp, or the smallest group up to 512
-// threads that can cache the row in registers; longer still, 512 threads that
-// stream the row.
-template <typename scalar_t>
-Plan reduction_plan(int64_t rows, int64_t cols, bool vec, int operands) {
-  const int width = vec ? vec_width<scalar_t>() : 1;
-  const int max_iters = max_cached_iters<scalar_t>(width, operands);
-  const int64_t nvec = cols / width;
-  Plan p{vec, 1, 1, 0, 0};
-  if (nvec <= kWarp) {
-    p.group = next_pow2(nvec);
-  } else {
-    int group = kWarp;
-    while (group < kMaxThreads && ceil_div(nvec, group) > max_iters) group *= 2;
-    const int64_t need = ceil_div(nvec, group);
-    p.group = group;
-    p.iters = need <= max_iters ? next_pow2(need) : 0;
-  }
-  return finish_plan(p, rows);
-}
-
-template <typename scalar_t>
-Plan elementwise_plan(int64_t rows, int64_t cols, bool vec) {
-  const int64_t nvec = cols / (vec ? vec_width<scalar_t>() : 1);
-  Plan p{vec, 0, 1, 0, 0};
-  p.group = nvec >= kMaxThreads ? kMaxThreads : next_pow2(nvec);
-  return finish_plan(p, rows);
-}
-template <typename scalar_t, typename F>
-cudaError_t dispatch_vec(bool vec, F&& launch) {
-  if (vec) return launch(std::integral_constant<int, vec_width<scalar_t>()>{});
-  return launch(std::integral_constant<int, 1>{});
-}
-
 }  // namespace
 
 template <typename scalar_t>
@@ -419,7 +360,7 @@ cudaError_t softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* o
   const int64_t cols = shape.cols;
   const bool vec = cols % vec_width<scalar_t>() == 0 && aligned16(input) &&
                    (kind == SoftmaxKind::LogSumExp || aligned16(output));
-  const Plan p = reduction_plan<scalar_t>(rows, cols, vec, kForwardOperands);
+  const Plan p = reduction_plan<scalar_t>(rows, cols, vec, max_cached_iters<scalar_t>(vec ? vec_width<scalar_t>() : 1, kForwardOperands));
   return dispatch_vec<scalar_t>(p.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;
     constexpr int kMaxIters = max_cached_iters<scalar_t>(kVec, kForwardOperands);
@@ -446,7 +387,7 @@ cudaError_t softmax_backward(SoftmaxKind kind, const scalar_t* grad, const scala
   if (kind == SoftmaxKind::Softmax) mask.data = nullptr;
   const bool vec = cols % vec_width<scalar_t>() == 0 && aligned16(grad) && aligned16(output) &&
                    aligned16(grad_input);
-  const Plan p = reduction_plan<scalar_t>(rows, cols, vec, kBackwardOperands);
+  const Plan p = reduction_plan<scalar_t>(rows, cols, vec, max_cached_iters<scalar_t>(vec ? vec_width<scalar_t>() : 1, kBackwardOperands));
   return dispatch_vec<scalar_t>(p.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;
     constexpr int kMaxIters = max_cached_iters<scalar_t>(kVec, kBackwardOperands);

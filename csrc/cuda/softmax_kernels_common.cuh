@@ -3,7 +3,9 @@
 // and softmax_strided_kernels.cu (over another dimension, in place,
 // inner > 1), and the launchers of the latter, which the launchers of
 // softmax_kernels.h call when shape.inner > 1. Torch-free; included by nvcc
-// only. Every special-value rule comes from nanfree/softmax_math.h.
+// only. Every special-value rule comes from nanfree/softmax_math.h; the
+// generic device helpers (launch limits, element conversion, vector access,
+// launch planning) are in device_common.cuh, shared with the other families.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/device_common.cuh"
 #include "cuda/softmax_kernels.h"
 #include "nanfree/numerics.h"
 #include "nanfree/softmax_math.h"
@@ -21,91 +24,12 @@ namespace nanfree {
 namespace gpu {
 namespace detail {
 
-constexpr int kWarp = 32;
-constexpr int kMaxThreads = 512;  // largest group and block
-constexpr int kMinThreads = 128;  // smallest block
-constexpr int kMaxWarps = kMaxThreads / kWarp;
-constexpr unsigned kFullMask = 0xffffffffu;
-// Blocks of one launch; the kernels loop over the remaining rows (gridDim.x < 2^31).
-constexpr int64_t kMaxBlocks = 65536;
-
 constexpr int kSoftmax = static_cast<int>(SoftmaxKind::Softmax);
 constexpr int kLogSumExp = static_cast<int>(SoftmaxKind::LogSumExp);
 
-// Elements of one 16-byte vector.
-template <typename scalar_t>
-constexpr int vec_width() {
-  return static_cast<int>(16 / sizeof(scalar_t));
-}
-
-// Vectors of `vec` elements cached per thread: 32 float or 16 double
-// accumulators in all, shared by the cached operands (x in the forward; g and
-// y in the softmax backward). 512-thread blocks allow 128 registers per thread;
-// ptxas -v shows no spill in the hot loops with this budget.
-template <typename scalar_t>
-constexpr int max_cached_iters(int vec, int operands) {
-  return (sizeof(acc_of_t<scalar_t>) == 8 ? 16 : 32) / operands / vec;
-}
+// Operands a thread caches (max_cached_iters): x in the forward, g and y in the backward.
 constexpr int kForwardOperands = 1;
 constexpr int kBackwardOperands = 2;
-
-// ---------------------------------------------------------------------------
-// Element conversion and vector access.
-
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename scalar_t>
-struct FromAcc;
-template <>
-struct FromAcc<float> {
-  __device__ __forceinline__ static float cast(float x) { return x; }
-};
-template <>
-struct FromAcc<double> {
-  __device__ __forceinline__ static double cast(double x) { return x; }
-};
-template <>
-struct FromAcc<__half> {
-  // Round to nearest even; inf and NaN are kept (as torch's Half(float)).
-  __device__ __forceinline__ static __half cast(float x) { return __float2half_rn(x); }
-};
-template <>
-struct FromAcc<__nv_bfloat16> {
-  __device__ __forceinline__ static __nv_bfloat16 cast(float x) { return __float2bfloat16_rn(x); }
-};
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-// Loads N consecutive elements (one N * sizeof(scalar_t)-byte access) as accumulators.
-template <int N, typename scalar_t, typename acc_t>
-__device__ __forceinline__ void load_acc(const scalar_t* p, acc_t (&out)[N]) {
-  const Pack<scalar_t, N> pack = *reinterpret_cast<const Pack<scalar_t, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_acc(pack.v[i]);
-}
-
-template <int N, typename scalar_t, typename acc_t>
-__device__ __forceinline__ void store_acc(scalar_t* p, const acc_t (&in)[N]) {
-  Pack<scalar_t, N> pack;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pack.v[i] = FromAcc<scalar_t>::cast(in[i]);
-  *reinterpret_cast<Pack<scalar_t, N>*>(p) = pack;
-}
-
-template <int N, typename scalar_t>
-__device__ __forceinline__ void store_zeros(scalar_t* p) {
-  using acc_t = acc_of_t<scalar_t>;
-  acc_t zeros[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) zeros[i] = acc_t(0);
-  store_acc<N>(p, zeros);
-}
 
 // keep[i] for columns col .. col + N - 1 of a mask row (nullptr: no mask).
 template <int N>
@@ -225,28 +149,6 @@ __device__ __forceinline__ acc_t backward_partial(int kind, const acc_t (&g)[N],
     for (int i = 0; i < N; ++i) sum += keep[i] ? g[i] : acc_t(0);
   }
   return sum;
-}
-
-// ---------------------------------------------------------------------------
-// Host helpers of launch planning and template dispatch.
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int next_pow2(int64_t n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
-
-template <int kMax, int I = 1, typename F>
-cudaError_t dispatch_iters(int iters, F&& launch) {
-  if (iters == 0) return launch(std::integral_constant<int, 0>{});
-  if (iters == I) return launch(std::integral_constant<int, I>{});
-  if constexpr (I * 2 <= kMax) {
-    return dispatch_iters<kMax, I * 2>(iters, launch);
-  } else {
-    return cudaErrorInvalidValue;
-  }
 }
 
 }  // namespace detail

@@ -33,25 +33,19 @@ float64 input).
 The kernels run where the Triton of this process can run them: CPU tensors
 when they were defined under Triton's interpreter (TRITON_INTERPRET=1), CUDA
 tensors when compiled; any other tensor is refused with
-BackendUnavailableError before anything is launched.
+BackendUnavailableError before anything is launched (common.py).
 """
-
-from contextlib import nullcontext
 
 import torch
 import triton
 import triton.language as tl
 
-from .._backends import BackendUnavailableError
 from .._mask_layout import mask_layout
 from .._softmax_checks import (acc_dtype, check_backward, check_forward, problem_shape,
                                row_shape, stats_shape)
+from . import common
+from .common import device_guard
 from .numerics import lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value
-
-try:
-    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
-except ImportError:  # a Triton without an interpreter
-    _InterpretedFunction = None
 
 # Forward modes (kernel constexpr).
 SOFTMAX = tl.constexpr(0)
@@ -506,24 +500,12 @@ def kernels_interpreted():
     """True when this module's kernels were defined under Triton's interpreter
     (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
     only; compiled, on CUDA tensors only."""
-    return _InterpretedFunction is not None and all(
-        isinstance(kernel, _InterpretedFunction) for kernel in _KERNELS)
+    return common.kernels_interpreted(_KERNELS)
 
 
 def _check_runnable(op, t):
     """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
-    if kernels_interpreted():
-        if t.device.type != "cpu":
-            raise BackendUnavailableError(
-                f"nanfree.{op}: the Triton kernels were defined under Triton's interpreter "
-                f"(TRITON_INTERPRET=1), which nanfree uses for CPU tensors only, got a tensor "
-                f"on {t.device}; unset TRITON_INTERPRET to run the compiled Triton kernels on "
-                f"CUDA tensors")
-    elif t.device.type != "cuda":
-        raise BackendUnavailableError(
-            f"nanfree.{op}: the Triton kernels are compiled and run on CUDA tensors only, got "
-            f"a tensor on {t.device}; set TRITON_INTERPRET=1 before starting Python to run "
-            f"them on CPU tensors under Triton's interpreter")
+    common.check_runnable(op, t, _KERNELS)
 
 
 def _block_config(n_cols):
@@ -544,10 +526,6 @@ def _strided_config(n_cols, inner):
     # 1 warp per 512 tile entries (16 per thread), between 1 and 8 warps.
     num_warps = min(max(block_j * block_i // 512, 1), 8)
     return block_j, block_i, n_cols <= block_j, num_warps
-
-
-def _device_guard(t):
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
 def _mask_args(mask, dim, x):
@@ -575,7 +553,7 @@ def _forward(op, mode, input, dim, mask):
         return out, stats
     m, sizes, strides, col_stride, has_mask = _mask_args(mask, dim, x)
     mask_args = (sizes[1], sizes[2], strides[0], strides[1], strides[2], col_stride)
-    with _device_guard(x):
+    with device_guard(x):
         if inner == 1:
             block, single, num_warps = _block_config(n_cols)
             _forward_kernel[(outer,)](
@@ -620,7 +598,7 @@ def _backward(op, grad_output, saved, stats, dim, mask, per_row_grad, mode):
         return grad_input
     m, sizes, strides, col_stride, has_mask = _mask_args(mask, dim, saved)
     mask_args = (sizes[1], sizes[2], strides[0], strides[1], strides[2], col_stride)
-    with _device_guard(saved):
+    with device_guard(saved):
         if inner == 1:
             block, single, num_warps = _block_config(n_cols)
             if mode == LOGSUMEXP:

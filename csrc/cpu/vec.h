@@ -1,7 +1,7 @@
-// Vector helpers shared by the CPU kernels of the softmax family (last-dim
-// rows in softmax.cpp, strided rows in softmax_strided.cpp): at::vec types,
-// the shifted exp, conversions between the stored and accumulation types.
-// Both files are compiled with the same vector ISA (setup.py).
+// Vector helpers shared by the CPU kernels of every op family: at::vec types,
+// the shifted exp, conversions between the stored and accumulation types, row
+// reductions over several accumulators. Every file of csrc/cpu is compiled
+// with the same vector ISA (setup.py).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,0 +1,37 @@
+// Argument checks and dtypes shared by the ATen bindings of every op family.
+// The Python backends raise the same errors with the same words
+// (nanfree/_checks.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+
+namespace nanfree {
+
+// TypeError in Python.
+inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "nanfree.", op, ": `", name,
+                   "` must be float16, bfloat16, float32 or float64, got ", t.scalar_type());
+}
+
+// ValueError in Python.
+inline void check_same_device(const char* op, const char* name, const at::Tensor& ref,
+                              const at::Tensor& t, const char* ref_name = "input") {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "nanfree.", op, ": `", name, "` is on ",
+                    t.device(), " but `", ref_name, "` is on ", ref.device());
+}
+
+// A positive, finite eps (ValueError in Python).
+inline void check_eps(const char* op, double eps) {
+  TORCH_CHECK_VALUE(eps > 0 && eps < std::numeric_limits<double>::infinity(), "nanfree.", op,
+                    ": `eps` must be positive and finite, got ", eps);
+}
+
+// Accumulation dtype, also of the saved statistics: float64 for float64, else float32.
+inline at::ScalarType acc_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace nanfree

@@ -1,0 +1,29 @@
+"""Argument checks shared by the Python backends of every op family: the same
+errors, with the same words and exception types, as csrc/common/checks.h."""
+
+import math
+
+import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_float(op, name, t):
+    if t.dtype not in _FLOATS:
+        raise TypeError(
+            f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_device(op, name, ref, t, ref_name="input"):
+    if t.device != ref.device:
+        raise ValueError(
+            f"nanfree.{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+
+
+def check_eps(op, eps):
+    if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
+        raise ValueError(f"nanfree.{op}: `eps` must be positive and finite, got {eps!r}")

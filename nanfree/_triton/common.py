@@ -1,0 +1,49 @@
+"""Launcher plumbing shared by the Triton op families (softmax.py, cosine.py):
+in which mode the kernels run, the refusal of a device that mode cannot run,
+and the CUDA device guard. No kernel and no numerics in here.
+
+The kernels run where the Triton of this process can run them: CPU tensors
+when they were defined under Triton's interpreter (TRITON_INTERPRET=1 when the
+module was imported), CUDA tensors when compiled; any other tensor is refused
+with BackendUnavailableError before anything is launched.
+"""
+
+from contextlib import nullcontext
+
+import torch
+
+from .._backends import BackendUnavailableError
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # a Triton without an interpreter
+    _InterpretedFunction = None
+
+
+def kernels_interpreted(kernels):
+    """True when every kernel in `kernels` (a family's kernels, as defined) was
+    defined under Triton's interpreter: they then run on CPU tensors only;
+    compiled, on CUDA tensors only."""
+    return _InterpretedFunction is not None and all(
+        isinstance(kernel, _InterpretedFunction) for kernel in kernels)
+
+
+def check_runnable(op, t, kernels):
+    """Refuses, before any launch, a tensor on a device `kernels` cannot run on."""
+    if kernels_interpreted(kernels):
+        if t.device.type != "cpu":
+            raise BackendUnavailableError(
+                f"nanfree.{op}: the Triton kernels were defined under Triton's interpreter "
+                f"(TRITON_INTERPRET=1), which nanfree uses for CPU tensors only, got a tensor "
+                f"on {t.device}; unset TRITON_INTERPRET to run the compiled Triton kernels on "
+                f"CUDA tensors")
+    elif t.device.type != "cuda":
+        raise BackendUnavailableError(
+            f"nanfree.{op}: the Triton kernels are compiled and run on CUDA tensors only, got "
+            f"a tensor on {t.device}; set TRITON_INTERPRET=1 before starting Python to run "
+            f"them on CPU tensors under Triton's interpreter")
+
+
+def device_guard(t):
+    """Makes t's CUDA device current for a launch (nothing for a CPU tensor)."""
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
