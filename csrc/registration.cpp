@@ -1,7 +1,7 @@
 // Every nanfree operator schema, defined once. Kernels are registered per
 // device by csrc/cpu, csrc/cuda and (Triton, pure torch) by nanfree/_backends.py;
-// autograd and autocast once for all backends by csrc/softmax_autograd.cpp and
-// csrc/softmax_autocast.cpp; fake kernels by nanfree/_softmax_registration.py.
+// autograd and autocast once for all backends by csrc/<family>_autograd.cpp and
+// csrc/<family>_autocast.cpp; fake kernels by nanfree/_<family>_registration.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(nanfree, m) {
@@ -21,4 +21,20 @@ TORCH_LIBRARY(nanfree, m) {
   m.def(
       "logsumexp_backward(Tensor grad_output, Tensor input, Tensor stats, int dim, "
       "Tensor? mask=None) -> Tensor");
+
+  // Cosine family over the last dimension (nanfree.ops moves another dim last
+  // and broadcasts). eps > 0. `stats` holds per vector what the backward uses
+  // (cosine_math.h), in float32 (float64 for float64 input): normalize's is
+  // input.shape[:-1] + [2], (p, grad_factor); cosine_similarity's is
+  // x1.shape[:-1] + [6], (p1, q1, grad_factor1, p2, q2, grad_factor2), with x1
+  // and x2 of one shape and the output x1.shape[:-1].
+  m.def("normalize(Tensor input, float eps) -> (Tensor, Tensor)");
+  m.def("normalize_backward(Tensor grad_output, Tensor output, Tensor stats) -> Tensor");
+  m.def("cosine_similarity(Tensor x1, Tensor x2, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "cosine_similarity_backward(Tensor grad_output, Tensor x1, Tensor x2, Tensor output, "
+      "Tensor stats) -> (Tensor, Tensor)");
+  // clamp(a @ b.T, -1, 1) of row-normalized a [N, d] and b [M, d] (cos_sim's
+  // GEMM); its gradient passes the clamp straight through.
+  m.def("cos_sim_matrix(Tensor a, Tensor b) -> Tensor");
 }

@@ -19,12 +19,14 @@ import os
 
 import torch
 
-from . import _softmax_registration
+from . import _cosine_registration, _softmax_registration
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 
-# op family -> (module holding the fake/autograd registration, op names)
-FAMILIES = {"softmax": _softmax_registration}
+# op family -> the module holding its op names (OPS) and fake kernels (register()).
+# Each Python backend holds one module per family, nanfree._triton.<family> and
+# nanfree._torch_backend.<family>, with one function per op named as the op.
+FAMILIES = {"softmax": _softmax_registration, "cosine": _cosine_registration}
 
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",
@@ -175,23 +177,26 @@ def _lazy_kernel(module_name, name):
     return kernel
 
 
-# backend -> module holding one Python function per op, named as the op.
-_MODULES = {"triton": "nanfree._triton.softmax", "torch": "nanfree._torch_backend.softmax"}
+# backend -> the package of its per-family modules.
+_PACKAGES = {"triton": "nanfree._triton", "torch": "nanfree._torch_backend"}
 
 
 def _register_python_kernels():
-    for name in _softmax_registration.OPS:
-        # Any device without a kernel of its own gets the pure-PyTorch one.
-        torch.library.register_kernel(f"nanfree::{name}", None, _lazy_kernel(_MODULES["torch"], name))
-    for device, serving in SERVING.items():
-        if serving in ("cpu", "cuda"):
-            continue  # compiled kernels registered themselves when loaded
-        for name in _softmax_registration.OPS:
-            if serving in _MODULES:
-                kernel = _lazy_kernel(_MODULES[serving], name)
-            else:
-                kernel = _refusing_kernel(serving)
-            torch.library.register_kernel(f"nanfree::{name}", device, kernel)
+    for family, registration in FAMILIES.items():
+        modules = {backend: f"{package}.{family}" for backend, package in _PACKAGES.items()}
+        for name in registration.OPS:
+            # Any device without a kernel of its own gets the pure-PyTorch one.
+            torch.library.register_kernel(f"nanfree::{name}", None,
+                                          _lazy_kernel(modules["torch"], name))
+        for device, serving in SERVING.items():
+            if serving in ("cpu", "cuda"):
+                continue  # compiled kernels registered themselves when loaded
+            for name in registration.OPS:
+                if serving in modules:
+                    kernel = _lazy_kernel(modules[serving], name)
+                else:
+                    kernel = _refusing_kernel(serving)
+                torch.library.register_kernel(f"nanfree::{name}", device, kernel)
 
 
 _choose()

@@ -15,9 +15,11 @@ import torch
 
 from . import _backends  # noqa: F401  (loads the kernels and registrations)
 from . import _C
+from ._checks import check_device, check_eps
 from ._softmax_checks import broadcast_mask, check_float, wrap_dim
+from ._torch_backend.cosine import normalize_p
 
-__all__ = ["softmax", "log_softmax", "logsumexp"]
+__all__ = ["softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim"]
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -123,3 +125,129 @@ def logsumexp(input, dim, keepdim=False, *, mask=None):
     if len(dim) == 1:
         return logsumexp(input, dim[0], keepdim, mask=mask)
     return _logsumexp_over_dims(input, list(dim), keepdim, mask)
+
+
+# --- cosine family -----------------------------------------------------------------
+
+# cos_sim normalizes with F.normalize's default eps, as sentence-transformers does.
+COS_SIM_EPS = 1e-12
+
+
+def _check_tensors(op, **tensors):
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_number(op, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"nanfree.{op}: `{name}` must be a number, got {type(value).__name__}")
+
+
+def _check_dim_type(op, dim):
+    if not isinstance(dim, int):
+        raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
+
+
+def _wrap_vector_dim(op, dim, rank):
+    _check_dim_type(op, dim)
+    if rank == 0 or not -rank <= dim < rank:
+        raise IndexError(f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {rank} "
+                         "dimensions")
+    return dim % rank
+
+
+def _common_float_dtype(op, **tensors):
+    (n1, t1), (n2, t2) = tensors.items()
+    check_float(op, n1, t1)
+    check_float(op, n2, t2)
+    check_device(op, n2, t1, t2, n1)
+    return torch.promote_types(t1.dtype, t2.dtype)
+
+
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """``F.cosine_similarity`` (same broadcasting) with accurate norms: each vector
+    is divided by max(‖x‖, eps), the result is clamped to [-1, 1], a zero vector
+    gives 0, and the gradient is finite everywhere (0 for a vector below eps)."""
+    if not _is_compiling():
+        try:
+            return _C.cosine_similarity(x1, x2, dim, eps)
+        except TypeError:
+            _check_tensors("cosine_similarity", x1=x1, x2=x2)
+            _check_number("cosine_similarity", "eps", eps)
+            # The C++ entry point's own TypeErrors (a non-float dtype) pass through.
+            _check_dim_type("cosine_similarity", dim)
+            raise
+    _check_tensors("cosine_similarity", x1=x1, x2=x2)
+    _check_number("cosine_similarity", "eps", eps)
+    dtype = _common_float_dtype("cosine_similarity", x1=x1, x2=x2)
+    try:
+        shape = torch.broadcast_shapes(x1.shape, x2.shape)
+    except RuntimeError:
+        raise ValueError(f"nanfree.cosine_similarity: `x1` of shape {list(x1.shape)} and `x2` of "
+                         f"shape {list(x2.shape)} do not broadcast") from None
+    dim = _wrap_vector_dim("cosine_similarity", dim, len(shape))
+    a = x1.to(dtype).expand(shape).movedim(dim, -1)
+    b = x2.to(dtype).expand(shape).movedim(dim, -1)
+    return torch.ops.nanfree.cosine_similarity(a, b, eps)[0]
+
+
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """``F.normalize``: input / max(‖input‖_p, eps) along ``dim``, with norms that
+    never overflow or underflow; a zero vector normalizes to 0 with gradient 0.
+    p = 2 runs fused kernels; another p > 0 (inf included) a torch composition
+    with the same rules."""
+    _check_number("normalize", "p", p)
+    if not p > 0:
+        raise ValueError(f"nanfree.normalize: `p` must be positive, got {p}")
+    if p == 2 and out is None and not _is_compiling():
+        try:
+            return _C.normalize(input, dim, eps)
+        except TypeError:
+            _check_tensors("normalize", input=input)
+            _check_number("normalize", "eps", eps)
+            _check_dim_type("normalize", dim)
+            raise
+    _check_tensors("normalize", input=input)
+    _check_number("normalize", "eps", eps)
+    if out is not None:
+        _check_tensors("normalize", out=out)
+    check_float("normalize", "input", input)
+    dim = _wrap_vector_dim("normalize", dim, input.dim())
+    if p == 2:
+        result = torch.ops.nanfree.normalize(input.movedim(dim, -1), eps)[0].movedim(-1, dim)
+    else:
+        check_eps("normalize", eps)
+        result = normalize_p(input, float(p), dim, eps)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def cos_sim(a, b):
+    """``sentence_transformers.util.cos_sim``: the [N, M] matrix of cosine
+    similarities of the rows of ``a`` [N, d] and ``b`` [M, d] (a 1-D input is
+    one row), as one GEMM of the normalized rows, clamped to [-1, 1]."""
+    if not _is_compiling():
+        try:
+            return _C.cos_sim(a, b)
+        except TypeError:
+            _check_tensors("cos_sim", a=a, b=b)
+            raise
+    _check_tensors("cos_sim", a=a, b=b)
+    dtype = _common_float_dtype("cos_sim", a=a, b=b)
+
+    def rows(t, name):
+        if t.dim() not in (1, 2):
+            raise ValueError(f"nanfree.cos_sim: `{name}` must be 1-D or 2-D, got {t.dim()} "
+                             "dimensions")
+        return t.reshape(1, -1) if t.dim() == 1 else t
+
+    # Every check before the first kernel.
+    a_rows, b_rows = rows(a, "a"), rows(b, "b")
+    if a_rows.shape[1] != b_rows.shape[1]:
+        raise ValueError(f"nanfree.cos_sim: `a` has vectors of {a_rows.shape[1]} entries but "
+                         f"`b` of {b_rows.shape[1]}")
+    a_rows = torch.ops.nanfree.normalize(a_rows.to(dtype), COS_SIM_EPS)[0]
+    b_rows = torch.ops.nanfree.normalize(b_rows.to(dtype), COS_SIM_EPS)[0]
+    return torch.ops.nanfree.cos_sim_matrix(a_rows, b_rows)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <optional>
 
@@ -26,6 +27,17 @@ inline at::Tensor autocast_to_float(const at::Tensor& t) {
 inline std::optional<at::Tensor> autocast_to_float(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return t;
   return autocast_to_float(*t);
+}
+
+// What autocast's lower-precision policy (matmul, mm) does to one argument:
+// a floating tensor other than float64 becomes the autocast dtype of `device`.
+inline at::Tensor autocast_to_lower_precision(const at::Tensor& t, c10::DeviceType device) {
+  const at::ScalarType lower = at::autocast::get_autocast_dtype(device);
+  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kDouble ||
+      t.scalar_type() == lower) {
+    return t;
+  }
+  return t.to(lower);
 }
 
 }  // namespace nanfree

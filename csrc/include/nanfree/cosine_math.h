@@ -1,0 +1,164 @@
+// L2 normalization and cosine similarity of vectors (the last dimension of a
+// row-major [rows, d] problem): the special-value rules of DESIGN.md section 2
+// (cosine), shared by the CPU and CUDA kernels and mirrored by name in
+// nanfree/_triton/cosine.py.
+//
+// A vector's norm is never formed as sum(x^2), which overflows (fp16 entries
+// of 300, fp32 of 1e20) or underflows (fp16 of 1e-4, fp32 of 1e-25). Each
+// vector is first scaled by an exact power of two p (norm_scale of its
+// largest magnitude), so every scaled entry x * p is below 2 in magnitude and
+// the largest is at least 1: the sum of squares of the scaled entries (ssq)
+// lies in [1, 4d] for a nonzero vector, and the norm is sqrt(ssq) / p.
+// Normalizing multiplies the scaled entry by q = clamped_norm_factor(...):
+// x / max(norm, eps) == (x * p) * q, two multiplications that neither
+// overflow nor underflow.
+//
+// Rules (torch's eps rule applied to the accurate norm):
+// - x / max(norm, eps): a zero vector normalizes to 0, a vector below eps to
+//   x / eps; cosine similarity is the dot product of the two normalized
+//   vectors, clamped to [-1, 1].
+// - A vector holding +-inf (and no NaN) is the limit direction: each infinite
+//   entry counts as +-1, the finite ones as 0 (normalized: +-1/sqrt(k) on its k
+//   infinite entries, 0 elsewhere).
+// - A vector holding NaN normalizes to NaN, and its similarities are NaN.
+// - Gradients: a vector whose norm is at least eps gets the exact gradient; a
+//   vector below eps (zero vectors included) and an infinite one pass no
+//   gradient (norm_grad_factor is 0); a NaN vector's gradient is NaN.
+#pragma once
+
+#include "nanfree/numerics.h"
+
+namespace nanfree {
+
+NF_HOST_DEVICE int nf_ilogb(float x) { return ::ilogbf(x); }
+NF_HOST_DEVICE int nf_ilogb(double x) { return ::ilogb(x); }
+NF_HOST_DEVICE float nf_ldexp(float x, int e) { return ::ldexpf(x, e); }
+NF_HOST_DEVICE double nf_ldexp(double x, int e) { return ::ldexp(x, e); }
+NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }
+NF_HOST_DEVICE double nf_sqrt(double x) { return ::sqrt(x); }
+
+// Exponent range of the normal numbers of T: 2^e is normal for e in [min, max].
+template <typename T>
+NF_HOST_DEVICE int min_normal_exponent() {
+  return std::numeric_limits<T>::min_exponent - 1;  // -126 for float, -1022 for double
+}
+template <typename T>
+NF_HOST_DEVICE int max_normal_exponent() {
+  return std::numeric_limits<T>::max_exponent - 1;  // 127, 1023
+}
+
+// The power of two p = 2^-e that scales a vector whose largest magnitude is
+// `amax` so that the largest scaled entry lies in [1, 2). e is clamped to the
+// normal exponents, so p is exact and finite (a vector of subnormals scales to
+// entries below 1, still far from underflow once squared). Marks:
+// - amax NaN (a NaN entry): p is NaN, so every scaled entry and the state are NaN;
+// - amax +inf (an infinite entry, no NaN): p is 0, which scaled_entry reads as
+//   "take the limit direction";
+// - amax 0 (a zero vector): any p; every scaled entry is 0.
+template <typename T>
+NF_HOST_DEVICE T norm_scale(T amax) {
+  if (nf_isnan(amax)) return amax;             // NaN reaches every scaled entry
+  if (amax == nf_inf<T>()) return T(0);        // the infinite-vector mark
+  int e = amax > T(0) ? nf_ilogb(amax) : 0;    // ilogb(0) is a sentinel, not an exponent
+  e = e < min_normal_exponent<T>() ? min_normal_exponent<T>() : e;
+  e = e > max_normal_exponent<T>() ? max_normal_exponent<T>() : e;
+  return nf_ldexp(T(1), -e);
+}
+
+// One entry scaled by p (exact). For an infinite vector (p == 0) the limit:
+// +-1 at an infinite entry, 0 at a finite one (x * 0 would be NaN at +-inf).
+template <typename T>
+NF_HOST_DEVICE T scaled_entry(T x, T p) {
+  if (p == T(0)) return nf_isinf(x) ? (x > T(0) ? T(1) : T(-1)) : T(0);
+  return x * p;
+}
+
+// The smallest eps the accumulation type can invert: a smaller one (even one
+// the caller passes, say 1e-45 in float) is raised to it, so 1/eps is finite.
+template <typename T>
+NF_HOST_DEVICE T effective_eps(T eps) {
+  const T tiny = std::numeric_limits<T>::min();
+  return eps < tiny ? tiny : eps;
+}
+
+// Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
+// nonzero vector: compared as sqrt(ssq) >= eps * p. When eps * p overflows to
+// +inf the vector is tiny next to eps: false, as it should be.
+template <typename T>
+NF_HOST_DEVICE bool norm_at_least(T p, T ssq, T eps) {
+  return nf_sqrt(ssq) >= eps * p;
+}
+
+// q with x / max(norm, eps) == scaled_entry(x, p) * q, given the vector's
+// scale p and the sum of squares ssq of its scaled entries.
+template <typename T>
+NF_HOST_DEVICE T clamped_norm_factor(T p, T ssq, T eps) {
+  // A NaN entry: NaN (the comparisons below would be false and hide it).
+  if (nf_isnan(ssq)) return ssq;
+  // A zero vector normalizes to 0 (0 / eps), and 1 / (eps * p) may overflow.
+  if (ssq == T(0)) return T(0);
+  // The limit direction of an infinite vector: its scaled entries are +-1 and 0.
+  if (p == T(0)) return T(1) / nf_sqrt(ssq);
+  if (norm_at_least(p, ssq, eps)) return T(1) / nf_sqrt(ssq);
+  // Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing by p (a power of
+  // two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it finite.
+  return (T(1) / eps) / p;
+}
+
+// The factor of the gradient: d(x / norm)/dx carries 1 / norm == p * q.
+// 0 below eps and for zero and infinite vectors, which pass no gradient; NaN
+// for a NaN vector.
+template <typename T>
+NF_HOST_DEVICE T norm_grad_factor(T p, T ssq, T eps) {
+  // A NaN vector's gradient is NaN.
+  if (nf_isnan(ssq)) return ssq;
+  // Zero and infinite vectors: no gradient (the limit direction is locally constant).
+  if (ssq == T(0) || p == T(0)) return T(0);
+  // Below eps the vector has no direction to differentiate: gradient 0.
+  if (!norm_at_least(p, ssq, eps)) return T(0);
+  return T(1) / nf_sqrt(ssq);
+}
+
+// A cosine similarity clamped to [-1, 1] (rounding can carry a dot product of
+// unit vectors past 1, and acos of that is NaN); NaN stays NaN.
+template <typename T>
+NF_HOST_DEVICE T cosine_clamp(T c) {
+  return c > T(1) ? T(1) : (c < T(-1) ? T(-1) : c);
+}
+
+// The cosine similarity of two vectors from the dot product of their scaled
+// entries and their factors q: sum(v1 * v2) with v = scaled * q, clamped.
+template <typename T>
+NF_HOST_DEVICE T cosine_value(T scaled_dot, T q1, T q2) {
+  return cosine_clamp((scaled_dot * q1) * q2);
+}
+
+// d normalize: the gradient of y = x / norm for an incoming g, given
+// dot = sum(g * y) over the vector and grad_factor = norm_grad_factor:
+// (g - y * dot) / norm, with 1 / norm applied as grad_factor, then p. In that
+// order a grad_factor of 0 gives 0 even where p (up to 2^126 for a vector of
+// subnormals) would overflow the product first and make it inf * 0 = NaN.
+template <typename T>
+NF_HOST_DEVICE T normalize_grad_value(T g, T y, T dot, T p, T grad_factor) {
+  return ((g - y * dot) * grad_factor) * p;
+}
+
+// d cosine_similarity with respect to x1 (swap the roles for x2): with
+// v = x / max(norm, eps) the normalized entries and c the similarity,
+// dc/dx1 = (v2 - c * v1) / norm1 (grad_factor before p, as in normalize_grad_value).
+template <typename T>
+NF_HOST_DEVICE T cosine_grad_value(T g, T v_self, T v_other, T c, T p_self, T grad_factor_self) {
+  return g * (((v_other - c * v_self) * grad_factor_self) * p_self);
+}
+
+// A gradient entry on its way to an output type whose largest finite value is
+// `out_max`: beyond it, +-out_max. The exact gradient of a vector whose norm is
+// at least eps but below 1 / out_max is about 1 / norm, past float16's 65504
+// for a norm under 1.5e-5; rounded, it would be inf, and a gradient must be
+// finite (a gradient scaler would skip the step). NaN stays NaN.
+template <typename T>
+NF_HOST_DEVICE T saturate_gradient(T x, T out_max) {
+  return x > out_max ? out_max : (x < -out_max ? -out_max : x);
+}
+
+}  // namespace nanfree

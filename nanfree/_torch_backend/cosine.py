@@ -1,0 +1,178 @@
+"""The cosine family (normalize, cosine_similarity, cos_sim_matrix) over the
+last dimension, in plain torch operations.
+
+Mirrors csrc/include/nanfree/cosine_math.h function by function (same names):
+each vector is scaled by an exact power of two before its squares are
+summed, so no norm overflows or underflows; the special-value rules are the
+same, written with torch.where. Signatures and results are those of the
+``nanfree::normalize`` ops (csrc/registration.cpp).
+"""
+
+import math
+
+import torch
+
+from .._cosine_checks import (check_cos_sim_matrix, check_cosine, check_cosine_backward,
+                              check_normalize, check_normalize_backward)
+
+INF = float("inf")
+
+
+def _acc(t):
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def norm_scale(amax):
+    """p = 2^-e with e = ilogb(amax) clamped to the normal exponents; NaN for a
+    NaN amax (it reaches every scaled entry), 0 for +inf (the infinite-vector mark)."""
+    info = torch.finfo(amax.dtype)
+    # The normal exponents: 2^e for e in [min_e, max_e] ([-126, 127] in float32).
+    min_e, max_e = math.frexp(info.tiny)[1] - 1, math.frexp(info.max)[1] - 1
+    # frexp gives amax = m * 2^f with m in [0.5, 1): ilogb(amax) = f - 1 (0 has no exponent).
+    e = torch.where(amax > 0, torch.frexp(amax).exponent.to(torch.int64) - 1, 0)
+    e = e.clamp(min_e, max_e)
+    # Exact powers of two, built in float64 (2^-e may be subnormal in amax's dtype).
+    p = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), -e).to(amax.dtype)
+    p = torch.where(amax == INF, 0.0, p)  # the infinite-vector mark
+    return torch.where(torch.isnan(amax), amax, p)  # NaN reaches every scaled entry
+
+
+def scaled_entry(x, p):
+    """x * p, or for an infinite vector (p == 0) the limit: +-1 at +-inf, 0 elsewhere."""
+    limit = torch.where(torch.isinf(x), torch.sign(x), 0.0)
+    return torch.where(p == 0, limit, x * p)
+
+
+def effective_eps(eps, dtype):
+    return max(eps, torch.finfo(dtype).tiny)
+
+
+def norm_at_least(p, ssq, eps):
+    # sqrt(ssq) >= eps * p; an overflowing eps * p means the vector is tiny: False.
+    return torch.sqrt(ssq) >= eps * p
+
+
+def clamped_norm_factor(p, ssq, eps):
+    """q with x / max(norm, eps) == scaled_entry(x, p) * q."""
+    root = torch.sqrt(ssq)
+    q = torch.where(norm_at_least(p, ssq, eps) | (p == 0), 1.0 / root, (1.0 / eps) / p)
+    q = torch.where(ssq == 0, 0.0, q)  # a zero vector normalizes to 0
+    return torch.where(torch.isnan(ssq), ssq, q)  # NaN stays NaN
+
+
+def norm_grad_factor(p, ssq, eps):
+    """1 / sqrt(ssq), or 0 for vectors below eps, zero and infinite ones; NaN for NaN."""
+    live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
+    g = torch.where(live, 1.0 / torch.sqrt(ssq), 0.0)
+    return torch.where(torch.isnan(ssq), ssq, g)
+
+
+def cosine_clamp(c):
+    # Into [-1, 1]; NaN stays NaN.
+    return torch.where(c > 1, 1.0, torch.where(c < -1, -1.0, c))
+
+
+def cosine_value(scaled_dot, q1, q2):
+    return cosine_clamp((scaled_dot * q1) * q2)
+
+
+def normalize_grad_value(g, y, dot, p, grad_factor):
+    # grad_factor before p: a 0 factor must not meet an overflowed product (inf * 0).
+    return ((g - y * dot) * grad_factor) * p
+
+
+def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
+    return g * (((v_other - c * v_self) * grad_factor_self) * p_self)
+
+
+def saturate_gradient(x, dtype):
+    # A gradient beyond `dtype`'s largest finite value (float16: vectors of norm
+    # at least eps but under 1.5e-5) saturates rather than rounding to inf; NaN stays.
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big)
+
+
+def _vector_state(x, eps):
+    """(scaled entries, p, ssq, q, grad_factor) of each vector (last dim) of x."""
+    p = norm_scale(x.abs().amax(dim=-1, keepdim=True)) if x.shape[-1] else \
+        torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)
+    s = scaled_entry(x, p)
+    ssq = (s * s).sum(dim=-1, keepdim=True)
+    return s, p, ssq, clamped_norm_factor(p, ssq, eps), norm_grad_factor(p, ssq, eps)
+
+
+def normalize(input, eps):
+    check_normalize(input, eps)
+    x = _acc(input)
+    s, p, _, q, grad_factor = _vector_state(x, effective_eps(eps, x.dtype))
+    stats = torch.cat([p, grad_factor], dim=-1)
+    return (s * q).to(input.dtype).contiguous(), stats
+
+
+def normalize_backward(grad_output, output, stats):
+    check_normalize_backward(grad_output, output, stats)
+    g, y = _acc(grad_output), _acc(output)
+    p, grad_factor = stats[..., :1], stats[..., 1:]
+    dot = (g * y).sum(dim=-1, keepdim=True)
+    grad = normalize_grad_value(g, y, dot, p, grad_factor)
+    return saturate_gradient(grad, output.dtype).to(output.dtype).contiguous()
+
+
+def cosine_similarity(x1, x2, eps):
+    check_cosine(x1, x2, eps)
+    a, b = _acc(x1), _acc(x2)
+    eps = effective_eps(eps, a.dtype)
+    s1, p1, _, q1, gf1 = _vector_state(a, eps)
+    s2, p2, _, q2, gf2 = _vector_state(b, eps)
+    c = cosine_value((s1 * s2).sum(dim=-1, keepdim=True), q1, q2)
+    stats = torch.cat([p1, q1, gf1, p2, q2, gf2], dim=-1)
+    return c.squeeze(-1).to(x1.dtype).contiguous(), stats
+
+
+def cosine_similarity_backward(grad_output, x1, x2, output, stats):
+    check_cosine_backward(grad_output, x1, x2, output, stats)
+    p1, q1, gf1, p2, q2, gf2 = (stats[..., k:k + 1] for k in range(6))
+    v1 = scaled_entry(_acc(x1), p1) * q1
+    v2 = scaled_entry(_acc(x2), p2) * q2
+    g, c = _acc(grad_output).unsqueeze(-1), _acc(output).unsqueeze(-1)
+    dx1 = cosine_grad_value(g, v1, v2, c, p1, gf1)
+    dx2 = cosine_grad_value(g, v2, v1, c, p2, gf2)
+    return (saturate_gradient(dx1, x1.dtype).to(x1.dtype).contiguous(),
+            saturate_gradient(dx2, x2.dtype).to(x2.dtype).contiguous())
+
+
+def cos_sim_matrix(a, b):
+    check_cos_sim_matrix(a, b)
+    return cosine_clamp(a @ b.T)
+
+
+def normalize_p(input, p, dim, eps):
+    """F.normalize for p != 2 (no fused kernel), in torch operations that autograd
+    differentiates: x / max(norm_p(x), eps) with the norm taken on x / max|x|, so
+    no power overflows or underflows; the rules of p = 2 otherwise (a vector with
+    +-inf entries is their limit direction; vectors below eps, zero and infinite
+    ones pass no gradient; NaN stays in its vector)."""
+    x = _acc(input)
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    # The norm branch sees finite vectors only: an infinite or NaN vector there
+    # would put inf / inf = NaN into the backward, even through a where.
+    finite = torch.isfinite(amax)
+    xf = torch.where(finite, x, 0.0)
+    amax_f = torch.where(finite, amax, 0.0)
+    scale = torch.where(amax_f > 0, amax_f, 1.0)  # 1 for a zero vector: no 0 / 0
+    if p == INF:
+        norm = amax_f
+    else:
+        norm = scale * torch.linalg.vector_norm(xf / scale, p, dim=dim, keepdim=True)
+    live = norm >= eps
+    # Below eps: x / eps with no gradient; the live branch's denominator is
+    # never 0 (0 * (1/0) would be NaN in the backward where it is not taken).
+    y = torch.where(live, xf / torch.where(live, norm, 1.0), xf.detach() / eps)
+    # An infinite vector: +-1 at its k infinite entries, scaled to unit p-norm, no gradient.
+    limit = torch.where(torch.isinf(x), torch.sign(x), 0.0).detach()
+    count = torch.isinf(x).sum(dim=dim, keepdim=True).clamp_min(1).to(x.dtype)
+    limit = limit if p == INF else limit / count ** (1.0 / p)
+    y = torch.where(torch.isinf(amax), limit, y)
+    # A NaN entry makes its vector NaN (amax is NaN there).
+    y = torch.where(torch.isnan(amax), amax, y)
+    return y.to(input.dtype)

@@ -1,0 +1,713 @@
+"""Triton backend of the cosine family: normalize, cosine_similarity and their
+backward ops over the last dimension, and cos_sim_matrix (cos_sim's GEMM).
+
+One function per op, named and called as the ``nanfree::`` op
+(csrc/registration.cpp), with the argument checks of
+nanfree/_cosine_checks.py. The per-vector math mirrors
+csrc/include/nanfree/cosine_math.h function by function (same names, same
+rules, same comments); no rule is written inline in a kernel.
+
+Row kernels. The contiguous input is viewed as [rows, d] (d the last dim);
+entry (r, j) is at element r * d + j. A program handles a tile of
+[BLOCK_R, BLOCK_D] entries: BLOCK_R consecutive rows of BLOCK_D columns.
+
+- d <= MAX_FUSED_D: BLOCK_D = next_pow2(d) and BLOCK_R = ROW_TILE // BLOCK_D
+  (at least 1, at most next_pow2(rows)), so short vectors (d = 3, 384) share a
+  program. Each row is loaded once and kept in registers: its largest
+  magnitude (amax, NaN propagated), then norm_scale, then the sums of the
+  scaled entries (ssq; for cosine_similarity also the scaled dot product),
+  then the outputs.
+- d > MAX_FUSED_D: one row per program (BLOCK_R = 1) streamed in blocks of
+  LOOP_BLOCK columns: a pass for amax, a pass for the sums, and (normalize)
+  a pass writing the outputs.
+- The backward kernels use the same tiles: normalize_backward needs the row
+  sum(g * y) (one pass when the row fits, else a sum pass and an output
+  pass); cosine_similarity_backward is elementwise given the forward's stats
+  and output (one pass over the column blocks).
+
+Everything is computed in float32 (float64 for float64 input); outputs take
+the input dtype, statistics the accumulation dtype. Per-vector statistics:
+normalize (p, grad_factor), cosine_similarity (p1, q1, grad_factor1, p2, q2,
+grad_factor2), one row of them per vector.
+
+cos_sim_matrix. clamp(a @ b.T) of a [N, d] and b [M, d]: a tiled tl.dot GEMM
+(GEMM_BLOCK_N x GEMM_BLOCK_M output tiles, GEMM_BLOCK_K along d), b read
+transposed through its strides (no copy of either operand), accumulated in
+float32 (float64 for float64, which Triton lowers to the float64 MMA), the
+clamp (cosine_clamp) in the epilogue, the output in the input dtype. float32
+operands are multiplied in IEEE float32 (input_precision="ieee"), as torch's
+matmul does by default, never in TF32. Output tiles are visited in groups of
+GEMM_GROUP_N tile rows, so the b tiles a group reads stay in L2.
+
+Numerics notes. Square roots and float32 divisions are IEEE-rounded
+(tl.sqrt_rn, tl.div_rn: Triton's plain sqrt and `/` are approximate in
+float32), as sqrtf and `/` in the header. ilogb and ldexp are built from the
+bits of the float (Triton's interpreter has no libdevice).
+
+The kernels run where the Triton of this process can run them (common.py):
+CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 when this module
+was imported), CUDA tensors when compiled.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .._cosine_checks import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matrix, check_cosine,
+                              check_cosine_backward, check_normalize, check_normalize_backward,
+                              per_vector_shape, stats_dtype, vector_rows)
+from . import common
+from .common import device_guard
+
+# Block policy (module attributes, so tests may shrink them to reach the loops).
+# Row kernels: rows of at most MAX_FUSED_D entries are loaded once, in tiles of
+# about ROW_TILE entries (several rows for short d); longer rows are streamed
+# in blocks of LOOP_BLOCK columns.
+MAX_FUSED_D = 8192
+ROW_TILE = 4096
+LOOP_BLOCK = 4096
+# cos_sim_matrix: output tile [GEMM_BLOCK_N, GEMM_BLOCK_M], GEMM_BLOCK_K along d
+# (at least 16: the smallest K of a float16 tl.dot), GEMM_GROUP_N tile rows
+# per group.
+GEMM_BLOCK_N = 64
+GEMM_BLOCK_M = 64
+GEMM_BLOCK_K = 32
+GEMM_GROUP_N = 8
+GEMM_NUM_WARPS = 4
+GEMM_NUM_STAGES = 3
+
+
+# ---------------------------------------------------------------------------
+# Float helpers of the header (nf_sqrt, nf_ilogb, nf_ldexp, exponent range)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _ieee_div(a, b):
+    """a / b rounded to nearest (C++ `/`): Triton's float32 `/` is approximate.
+    b is a tensor; a may be a Python float."""
+    if b.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def nf_sqrt(x):
+    # Rounded to nearest, as sqrtf / sqrt (Triton's float32 tl.sqrt is approximate).
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def min_normal_exponent(x):
+    """Exponent range of the normal numbers of x's dtype: 2^e is normal for e in [min, max]."""
+    if x.dtype == tl.float64:
+        return -1022
+    else:
+        return -126  # float32
+
+
+@triton.jit
+def max_normal_exponent(x):
+    if x.dtype == tl.float64:
+        return 1023
+    else:
+        return 127  # float32
+
+
+@triton.jit
+def _ilogb_bits(x, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                LIFT: tl.constexpr):
+    """nf_ilogb of a float of MANT mantissa bits and exponent bias BIAS, whose
+    bits read as INT; LIFT = 2^(MANT + 1)."""
+    # A subnormal (exponent field 0) is first lifted by the exact factor LIFT
+    # into the normals, where the exponent field tells its exponent.
+    lift = (x.to(INT, bitcast=True) >> MANT) == 0
+    y = tl.where(lift, x * LIFT, x)
+    field = ((y.to(INT, bitcast=True) >> MANT) & (2 * BIAS + 1)).to(tl.int32)
+    return field - BIAS - tl.where(lift, MANT + 1, 0)
+
+
+@triton.jit
+def nf_ilogb(x):
+    """ilogb(x) (the exponent e of x = m * 2^e, 1 <= m < 2) for x > 0 finite,
+    read from the exponent bits (Triton's interpreter has no libdevice); the
+    caller gives 0, inf and NaN no exponent."""
+    if x.dtype == tl.float64:
+        return _ilogb_bits(x, tl.int64, 52, 1023, 9007199254740992.0)
+    else:
+        return _ilogb_bits(x, tl.int32, 23, 127, 16777216.0)
+
+
+@triton.jit
+def _pow2_bits(e, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """The bits (as INT) of 2^e, normal or subnormal, for a float of MANT
+    mantissa bits and exponent bias BIAS."""
+    ei = tl.cast(e, INT)
+    normal = (ei + BIAS) << MANT
+    # A subnormal power of two is one mantissa bit; the shift is kept >= 0 where unused.
+    subnormal = tl.full(ei.shape, 1, INT) << tl.maximum(ei + (BIAS - 1 + MANT), 0)
+    return tl.where(ei >= 1 - BIAS, normal, subnormal)
+
+
+@triton.jit
+def nf_ldexp(x, e):
+    """x * 2^e for an int32 e such that 2^e is a float of x's dtype, normal or
+    subnormal (e in [min_normal_exponent - mantissa bits, max_normal_exponent]):
+    the power of two is built from its bits, so it is exact."""
+    if x.dtype == tl.float64:
+        return x * _pow2_bits(e, tl.int64, 52, 1023).to(tl.float64, bitcast=True)
+    else:
+        return x * _pow2_bits(e, tl.int32, 23, 127).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------
+# Mirror of cosine_math.h
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def norm_scale(amax):
+    """The power of two p = 2^-e that scales a vector whose largest magnitude is
+    `amax` so that the largest scaled entry lies in [1, 2). e is clamped to the
+    normal exponents, so p is exact and finite. Marks: amax NaN -> p NaN;
+    amax +inf -> p 0 (the infinite-vector mark); amax 0 -> p 1."""
+    MIN_E = min_normal_exponent(amax)
+    MAX_E = max_normal_exponent(amax)
+    e = tl.where(amax > 0, nf_ilogb(amax), 0)  # ilogb(0) is a sentinel, not an exponent
+    e = tl.where(e < MIN_E, MIN_E, e)
+    e = tl.where(e > MAX_E, MAX_E, e)
+    p = nf_ldexp(tl.full(amax.shape, 1.0, amax.dtype), -e)
+    p = tl.where(amax == float("inf"), 0.0, p)  # the infinite-vector mark
+    return tl.where(amax != amax, amax, p)  # NaN reaches every scaled entry
+
+
+@triton.jit
+def scaled_entry(x, p):
+    # One entry scaled by p (exact). For an infinite vector (p == 0) the limit:
+    # +-1 at an infinite entry, 0 at a finite one (x * 0 would be NaN at +-inf).
+    limit = tl.where(tl.abs(x) == float("inf"), tl.where(x > 0, 1.0, -1.0), 0.0)
+    return tl.where(p == 0, limit, x * p)
+
+
+@triton.jit
+def effective_eps(eps):
+    # The smallest eps the accumulation type can invert: a smaller one (even one
+    # the caller passes, say 1e-45 in float) is raised to it, so 1/eps is finite.
+    tiny = nf_ldexp(tl.full([], 1.0, eps.dtype), min_normal_exponent(eps))
+    return tl.where(eps < tiny, tiny, eps)
+
+
+@triton.jit
+def norm_at_least(p, ssq, eps):
+    # Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
+    # nonzero vector: compared as sqrt(ssq) >= eps * p. When eps * p overflows
+    # to +inf the vector is tiny next to eps: false, as it should be.
+    return nf_sqrt(ssq) >= eps * p
+
+
+@triton.jit
+def clamped_norm_factor(p, ssq, eps):
+    """q with x / max(norm, eps) == scaled_entry(x, p) * q, given the vector's
+    scale p and the sum of squares ssq of its scaled entries."""
+    # Unit length: 1 / sqrt(ssq) (inf at ssq == 0, which the zero-vector rule replaces).
+    unit = _ieee_div(1.0, nf_sqrt(ssq))
+    # The limit direction of an infinite vector: its scaled entries are +-1 and 0.
+    # Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing by p (a power of
+    # two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it finite.
+    q = tl.where((p == 0) | norm_at_least(p, ssq, eps), unit, _ieee_div(_ieee_div(1.0, eps), p))
+    # A zero vector normalizes to 0 (0 / eps), and 1 / (eps * p) may overflow.
+    q = tl.where(ssq == 0, 0.0, q)
+    # A NaN entry: NaN (the comparisons above would be false and hide it).
+    return tl.where(ssq != ssq, ssq, q)
+
+
+@triton.jit
+def norm_grad_factor(p, ssq, eps):
+    """The factor of the gradient: d(x / norm)/dx carries 1 / norm == p * q.
+    0 below eps and for zero and infinite vectors, which pass no gradient; NaN
+    for a NaN vector."""
+    # Zero and infinite vectors: no gradient (the limit direction is locally constant).
+    # Below eps the vector has no direction to differentiate: gradient 0.
+    live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
+    g = tl.where(live, _ieee_div(1.0, nf_sqrt(ssq)), 0.0)
+    # A NaN vector's gradient is NaN.
+    return tl.where(ssq != ssq, ssq, g)
+
+
+@triton.jit
+def cosine_clamp(c):
+    # A cosine similarity clamped to [-1, 1] (rounding can carry a dot product of
+    # unit vectors past 1, and acos of that is NaN); NaN stays NaN.
+    return tl.where(c > 1.0, 1.0, tl.where(c < -1.0, -1.0, c))
+
+
+@triton.jit
+def cosine_value(scaled_dot, q1, q2):
+    """The cosine similarity of two vectors from the dot product of their scaled
+    entries and their factors q: sum(v1 * v2) with v = scaled * q, clamped."""
+    return cosine_clamp((scaled_dot * q1) * q2)
+
+
+@triton.jit
+def normalize_grad_value(g, y, dot, p, grad_factor):
+    """d normalize: the gradient of y = x / norm for an incoming g, given
+    dot = sum(g * y) over the vector and grad_factor = norm_grad_factor:
+    (g - y * dot) / norm, with 1 / norm applied as grad_factor, then p. In that
+    order a grad_factor of 0 gives 0 even where p (up to 2^126 for a vector of
+    subnormals) would overflow the product first and make it inf * 0 = NaN."""
+    return ((g - y * dot) * grad_factor) * p
+
+
+@triton.jit
+def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
+    """d cosine_similarity with respect to x1 (swap the roles for x2): with
+    v = x / max(norm, eps) the normalized entries and c the similarity,
+    dc/dx1 = (v2 - c * v1) / norm1 (grad_factor before p, as in normalize_grad_value)."""
+    return g * (((v_other - c * v_self) * grad_factor_self) * p_self)
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the row kernels (no special-value rule in here)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _store(ptr, offs, x, mask):
+    """Stores x (in the accumulation dtype) at ptr + offs in ptr's dtype, rounded
+    to nearest even. bfloat16 is rounded and stored in its bits: Triton's
+    interpreter (3.8) truncates float32 -> bfloat16 and gets subnormals wrong
+    (outputs of vectors of 1e38 reach them); compiled, cvt.rn gives the same bits."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        xf = x.to(tl.float32)
+        bits = xf.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        # A NaN stays NaN (the rounding carry could turn a NaN payload into inf).
+        bits = tl.where(xf != xf, 0x7FC0, bits)
+        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bits.to(tl.uint16), mask=mask)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def saturate_gradient(x, out_max):
+    # A gradient entry beyond the output type's largest finite value `out_max`
+    # (float16: a vector of norm at least eps but under 1.5e-5 has gradients
+    # near 1 / norm) saturates to +-out_max rather than rounding to inf; NaN stays.
+    return tl.where(x > out_max, out_max, tl.where(x < -out_max, -out_max, x))
+
+
+@triton.jit
+def _store_gradient(ptr, offs, x, mask):
+    """_store of a gradient: saturate_gradient to the largest finite value of ptr's dtype."""
+    if ptr.dtype.element_ty == tl.float16:
+        _store(ptr, offs, saturate_gradient(x, 65504.0), mask)
+    elif ptr.dtype.element_ty == tl.bfloat16:
+        _store(ptr, offs, saturate_gradient(x, 3.3895313892515355e38), mask)
+    else:  # float32 and float64 gradients are computed in their own dtype
+        _store(ptr, offs, x, mask)
+
+
+@triton.jit
+def _amax_combine(a, b):
+    # The larger magnitude, NaN winning either way: a NaN entry must reach norm_scale.
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _row_amax(x):
+    """Largest |x| of each row of a [BLOCK_R, BLOCK_D] tile (NaN if any entry is)."""
+    return tl.reduce(tl.abs(x), 1, _amax_combine)
+
+
+@triton.jit
+def _row_block(n_rows, BLOCK_R: tl.constexpr):
+    """(rows [BLOCK_R] int64, in_row) of this program."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < n_rows
+
+
+@triton.jit
+def _tile_at(rows, in_row, start, d, BLOCK_D: tl.constexpr):
+    """(offsets, inside) of the [BLOCK_R, BLOCK_D] tile of columns start.. of `rows`."""
+    cols = start + tl.arange(0, BLOCK_D)
+    inside = in_row[:, None] & (cols[None, :] < d)
+    return rows[:, None] * d + cols[None, :], inside
+
+
+@triton.jit
+def _widen(ptr, offs, inside):
+    """The entries at ptr + offs (0 outside `inside`), bfloat16 read exactly:
+    from its bits, the upper half of a float32. Triton's interpreter (3.8)
+    converts bfloat16 subnormals to float32 wrongly (5.1e-39 reads as 8.8e-39),
+    and a vector of them must keep its direction; compiled, this is the same
+    conversion."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=inside, other=0)
+        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _load(ptr, offs, inside, ACC: tl.constexpr):
+    # 0 outside the problem: a 0 entry adds nothing to amax, ssq or a dot.
+    return _widen(ptr, offs, inside).to(ACC)
+
+
+@triton.jit
+def _eps_in(eps, ACC: tl.constexpr):
+    """effective_eps of the op's eps (a float64 argument) in the accumulation dtype."""
+    return effective_eps(tl.full([], eps, tl.float64).to(ACC))
+
+
+@triton.jit
+def _vector_amax(x_ptr, rows, in_row, d, first, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SINGLE_BLOCK: tl.constexpr):
+    """amax of each row: of the loaded tile `first` when the row fits one block,
+    else of a pass over the row's blocks."""
+    if SINGLE_BLOCK:
+        amax = _row_amax(first)
+    else:
+        amax = tl.zeros([rows.shape[0]], dtype=ACC)
+        for start in range(0, d, BLOCK_D):
+            offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
+            amax = _amax_combine(amax, _row_amax(_load(x_ptr, offs, inside, ACC)))
+    return amax
+
+
+# ---------------------------------------------------------------------------
+# Row kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                      SINGLE_BLOCK: tl.constexpr):
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    rows, in_row = _row_block(n_rows, BLOCK_R)
+    eps = _eps_in(eps, ACC)
+    offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
+    x = _load(x_ptr, offs, inside, ACC)  # the whole row when SINGLE_BLOCK
+    p = norm_scale(_vector_amax(x_ptr, rows, in_row, d, x, ACC, BLOCK_D, SINGLE_BLOCK))
+    pc = p[:, None]
+    if SINGLE_BLOCK:
+        s = scaled_entry(x, pc)
+        ssq = tl.sum(s * s, axis=1)
+    else:
+        partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+        for start in range(0, d, BLOCK_D):
+            o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
+            sb = scaled_entry(_load(x_ptr, o, inn, ACC), pc)
+            partial += sb * sb
+        ssq = tl.sum(partial, axis=1)
+    q = clamped_norm_factor(p, ssq, eps)
+    tl.store(stats_ptr + rows * 2, p, mask=in_row)
+    tl.store(stats_ptr + rows * 2 + 1, norm_grad_factor(p, ssq, eps), mask=in_row)
+    qc = q[:, None]
+    if SINGLE_BLOCK:
+        _store(y_ptr, offs, s * qc, inside)
+    else:
+        for start in range(0, d, BLOCK_D):
+            o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
+            sb = scaled_entry(_load(x_ptr, o, inn, ACC), pc)
+            _store(y_ptr, o, sb * qc, inn)
+
+
+@triton.jit
+def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                               SINGLE_BLOCK: tl.constexpr):
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    rows, in_row = _row_block(n_rows, BLOCK_R)
+    p = tl.load(stats_ptr + rows * 2, mask=in_row, other=1.0)[:, None]
+    grad_factor = tl.load(stats_ptr + rows * 2 + 1, mask=in_row, other=0.0)[:, None]
+    if SINGLE_BLOCK:
+        offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
+        g = _load(go_ptr, offs, inside, ACC)
+        y = _load(y_ptr, offs, inside, ACC)
+        dot = tl.sum(g * y, axis=1)[:, None]
+        grad = normalize_grad_value(g, y, dot, p, grad_factor)
+        _store_gradient(gi_ptr, offs, grad, inside)
+    else:
+        partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+        for start in range(0, d, BLOCK_D):
+            offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
+            partial += _load(go_ptr, offs, inside, ACC) * _load(y_ptr, offs, inside, ACC)
+        dot = tl.sum(partial, axis=1)[:, None]
+        for start in range(0, d, BLOCK_D):
+            offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
+            g = _load(go_ptr, offs, inside, ACC)
+            y = _load(y_ptr, offs, inside, ACC)
+            grad = normalize_grad_value(g, y, dot, p, grad_factor)
+            _store_gradient(gi_ptr, offs, grad, inside)
+
+
+@triton.jit
+def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float64,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    rows, in_row = _row_block(n_rows, BLOCK_R)
+    eps = _eps_in(eps, ACC)
+    offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
+    a = _load(x1_ptr, offs, inside, ACC)  # the whole rows when SINGLE_BLOCK
+    b = _load(x2_ptr, offs, inside, ACC)
+    p1 = norm_scale(_vector_amax(x1_ptr, rows, in_row, d, a, ACC, BLOCK_D, SINGLE_BLOCK))
+    p2 = norm_scale(_vector_amax(x2_ptr, rows, in_row, d, b, ACC, BLOCK_D, SINGLE_BLOCK))
+    p1c, p2c = p1[:, None], p2[:, None]
+    if SINGLE_BLOCK:
+        s1 = scaled_entry(a, p1c)
+        s2 = scaled_entry(b, p2c)
+        ssq1 = tl.sum(s1 * s1, axis=1)
+        ssq2 = tl.sum(s2 * s2, axis=1)
+        dot = tl.sum(s1 * s2, axis=1)
+    else:
+        part1 = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+        part2 = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+        part12 = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+        for start in range(0, d, BLOCK_D):
+            o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
+            s1 = scaled_entry(_load(x1_ptr, o, inn, ACC), p1c)
+            s2 = scaled_entry(_load(x2_ptr, o, inn, ACC), p2c)
+            part1 += s1 * s1
+            part2 += s2 * s2
+            part12 += s1 * s2
+        ssq1 = tl.sum(part1, axis=1)
+        ssq2 = tl.sum(part2, axis=1)
+        dot = tl.sum(part12, axis=1)
+    q1 = clamped_norm_factor(p1, ssq1, eps)
+    q2 = clamped_norm_factor(p2, ssq2, eps)
+    c = cosine_value(dot, q1, q2)
+    _store(out_ptr, rows, c, in_row)
+    st = stats_ptr + rows * 6
+    tl.store(st, p1, mask=in_row)
+    tl.store(st + 1, q1, mask=in_row)
+    tl.store(st + 2, norm_grad_factor(p1, ssq1, eps), mask=in_row)
+    tl.store(st + 3, p2, mask=in_row)
+    tl.store(st + 4, q2, mask=in_row)
+    tl.store(st + 5, norm_grad_factor(p2, ssq2, eps), mask=in_row)
+
+
+@triton.jit
+def _cosine_backward_kernel(go_ptr, x1_ptr, x2_ptr, c_ptr, stats_ptr, g1_ptr, g2_ptr,
+                            n_rows, d, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Elementwise given each row's stats, grad_output and output: one pass
+    over the row's blocks whatever its length."""
+    ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    rows, in_row = _row_block(n_rows, BLOCK_R)
+    st = stats_ptr + rows * 6
+    # Rows outside the problem read p 1 and factors 0 (never stored).
+    p1 = tl.load(st, mask=in_row, other=1.0)[:, None]
+    q1 = tl.load(st + 1, mask=in_row, other=0.0)[:, None]
+    gf1 = tl.load(st + 2, mask=in_row, other=0.0)[:, None]
+    p2 = tl.load(st + 3, mask=in_row, other=1.0)[:, None]
+    q2 = tl.load(st + 4, mask=in_row, other=0.0)[:, None]
+    gf2 = tl.load(st + 5, mask=in_row, other=0.0)[:, None]
+    g = tl.load(go_ptr + rows, mask=in_row, other=0.0).to(ACC)[:, None]
+    c = tl.load(c_ptr + rows, mask=in_row, other=0.0).to(ACC)[:, None]
+    for start in range(0, d, BLOCK_D):
+        offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
+        v1 = scaled_entry(_load(x1_ptr, offs, inside, ACC), p1) * q1
+        v2 = scaled_entry(_load(x2_ptr, offs, inside, ACC), p2) * q2
+        _store_gradient(g1_ptr, offs, cosine_grad_value(g, v1, v2, c, p1, gf1), inside)
+        _store_gradient(g2_ptr, offs, cosine_grad_value(g, v2, v1, c, p2, gf2), inside)
+
+
+# ---------------------------------------------------------------------------
+# cos_sim_matrix: tiled GEMM with the clamp in the epilogue
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_tile(n_rows, n_cols, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+               GROUP_N: tl.constexpr):
+    """(tile row, tile column) of this program: tiles are visited column by
+    column within groups of GROUP_N tile rows, so consecutive programs share
+    their b tiles."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(n_rows, BLOCK_N)
+    tiles_m = tl.cdiv(n_cols, BLOCK_M)
+    per_group = GROUP_N * tiles_m
+    first = (pid // per_group) * GROUP_N
+    height = tl.minimum(tiles_n - first, GROUP_N)
+    within = pid % per_group
+    return first + within % height, within // height
+
+
+@triton.jit
+def _cos_sim_matrix_kernel(a_ptr, b_ptr, out_ptr, n_rows, n_cols, d,
+                           stride_a0, stride_a1, stride_b0, stride_b1,
+                           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_N: tl.constexpr, DOT_IN_ACC: tl.constexpr):
+    ACC: tl.constexpr = tl.float64 if a_ptr.dtype.element_ty == tl.float64 else tl.float32
+    tile_n, tile_m = _gemm_tile(n_rows, n_cols, BLOCK_N, BLOCK_M, GROUP_N)
+    rn = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    # a tile [BLOCK_N, BLOCK_K]; b read transposed as a [BLOCK_K, BLOCK_M] tile.
+    a_tile = a_ptr + rn[:, None] * stride_a0 + ks[None, :] * stride_a1
+    b_tile = b_ptr + ks[:, None] * stride_b1 + rm[None, :] * stride_b0
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
+    for start in range(0, d, BLOCK_K):
+        k_in = start + ks < d
+        # 0 past the edges: adds nothing to the dot products.
+        a_in = (rn[:, None] < n_rows) & k_in[None, :]
+        b_in = k_in[:, None] & (rm[None, :] < n_cols)
+        if DOT_IN_ACC:
+            a = _widen(a_tile, 0, a_in).to(ACC)
+            b = _widen(b_tile, 0, b_in).to(ACC)
+        else:
+            a = tl.load(a_tile, mask=a_in, other=0.0)
+            b = tl.load(b_tile, mask=b_in, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=ACC)
+        a_tile += BLOCK_K * stride_a1
+        b_tile += BLOCK_K * stride_b1
+    c = cosine_clamp(acc)
+    inside = (rn[:, None] < n_rows) & (rm[None, :] < n_cols)
+    _store(out_ptr, rn[:, None] * n_cols + rm[None, :], c, inside)
+
+
+# ---------------------------------------------------------------------------
+# Launchers (the op implementations)
+# ---------------------------------------------------------------------------
+
+
+# Every kernel of this module, as defined (tests may monkeypatch the names).
+_KERNELS = (_normalize_kernel, _normalize_backward_kernel, _cosine_kernel,
+            _cosine_backward_kernel, _cos_sim_matrix_kernel)
+
+
+def kernels_interpreted():
+    """True when this module's kernels were defined under Triton's interpreter
+    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
+    only; compiled, on CUDA tensors only."""
+    return common.kernels_interpreted(_KERNELS)
+
+
+def _check_runnable(op, t):
+    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
+    common.check_runnable(op, t, _KERNELS)
+
+
+def _row_config(n_rows, d):
+    """(BLOCK_R, BLOCK_D, SINGLE_BLOCK, num_warps) for rows of d >= 0 entries."""
+    if d <= MAX_FUSED_D:
+        block_d = triton.next_power_of_2(max(d, 1))
+        block_r = max(min(ROW_TILE // block_d, triton.next_power_of_2(n_rows)), 1)
+        single = True
+    else:
+        block_d, block_r, single = LOOP_BLOCK, 1, False
+    # 16 entries per thread, between 1 and 16 warps.
+    num_warps = min(max(block_r * block_d // 512, 1), 16)
+    return block_r, block_d, single, num_warps
+
+
+def _grid(n_rows, block_r):
+    return (triton.cdiv(n_rows, block_r),)
+
+
+def normalize(input, eps):
+    """x / max(||x||, eps) over the last dim -> (output, stats [..., 2] = (p, grad_factor))."""
+    check_normalize(input, eps)
+    _check_runnable("normalize", input)
+    x = input.contiguous()
+    n_rows, d = vector_rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    stats = torch.empty(per_vector_shape(x, NORMALIZE_STATS), dtype=stats_dtype(x),
+                        device=x.device)
+    if n_rows == 0:
+        return out, stats
+    # d == 0 runs too: an empty vector is a zero vector (p 1, grad_factor 0).
+    block_r, block_d, single, num_warps = _row_config(n_rows, d)
+    with device_guard(x):
+        _normalize_kernel[_grid(n_rows, block_r)](
+            x, out, stats, n_rows, d, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
+            SINGLE_BLOCK=single, num_warps=num_warps)
+    return out, stats
+
+
+def normalize_backward(grad_output, output, stats):
+    """((g - y * sum(g * y)) * grad_factor) * p per entry."""
+    check_normalize_backward(grad_output, output, stats)
+    _check_runnable("normalize_backward", output)
+    g, y, stats = grad_output.contiguous(), output.contiguous(), stats.contiguous()
+    grad_input = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    n_rows, d = vector_rows(y)
+    if grad_input.numel() == 0:
+        return grad_input
+    block_r, block_d, single, num_warps = _row_config(n_rows, d)
+    with device_guard(y):
+        _normalize_backward_kernel[_grid(n_rows, block_r)](
+            g, y, stats, grad_input, n_rows, d, BLOCK_R=block_r, BLOCK_D=block_d,
+            SINGLE_BLOCK=single, num_warps=num_warps)
+    return grad_input
+
+
+def cosine_similarity(x1, x2, eps):
+    """Cosine similarity of x1 and x2 (one shape) over the last dim -> (output
+    x1.shape[:-1], stats [..., 6] = (p1, q1, grad_factor1, p2, q2, grad_factor2))."""
+    check_cosine(x1, x2, eps)
+    _check_runnable("cosine_similarity", x1)
+    a, b = x1.contiguous(), x2.contiguous()
+    n_rows, d = vector_rows(a)
+    out = torch.empty(per_vector_shape(a), dtype=a.dtype, device=a.device)
+    stats = torch.empty(per_vector_shape(a, COSINE_STATS), dtype=stats_dtype(a), device=a.device)
+    if n_rows == 0:
+        return out, stats
+    # d == 0 runs too: two zero vectors, similarity 0.
+    block_r, block_d, single, num_warps = _row_config(n_rows, d)
+    with device_guard(a):
+        _cosine_kernel[_grid(n_rows, block_r)](
+            a, b, out, stats, n_rows, d, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
+            SINGLE_BLOCK=single, num_warps=num_warps)
+    return out, stats
+
+
+def cosine_similarity_backward(grad_output, x1, x2, output, stats):
+    """(g * (((v2 - c * v1) * grad_factor1) * p1), the same with 1 and 2 swapped)."""
+    check_cosine_backward(grad_output, x1, x2, output, stats)
+    _check_runnable("cosine_similarity_backward", x1)
+    g, c, stats = grad_output.contiguous(), output.contiguous(), stats.contiguous()
+    a, b = x1.contiguous(), x2.contiguous()
+    grad_x1 = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    grad_x2 = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    n_rows, d = vector_rows(a)
+    if grad_x1.numel() == 0:
+        return grad_x1, grad_x2
+    # Elementwise: no fused/looped distinction, blocks of at most LOOP_BLOCK columns.
+    block_r, block_d, _, num_warps = _row_config(n_rows, d)
+    if block_d > LOOP_BLOCK:
+        block_r, block_d = 1, LOOP_BLOCK
+        num_warps = min(max(block_d // 512, 1), 16)
+    with device_guard(a):
+        _cosine_backward_kernel[_grid(n_rows, block_r)](
+            g, a, b, c, stats, grad_x1, grad_x2, n_rows, d, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=num_warps)
+    return grad_x1, grad_x2
+
+
+def cos_sim_matrix(a, b):
+    """clamp(a @ b.T, -1, 1) of a [N, d] and b [M, d] -> [N, M] in their dtype."""
+    check_cos_sim_matrix(a, b)
+    _check_runnable("cos_sim_matrix", a)
+    n_rows, d = a.shape
+    n_cols = b.shape[0]
+    out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(n_rows, GEMM_BLOCK_N) * triton.cdiv(n_cols, GEMM_BLOCK_M),)
+    # The interpreter's numpy matmul reads bfloat16 operands as raw 16-bit
+    # integers: there they are widened first (bfloat16 products are exact in
+    # float32, so only the summation order differs from the compiled MMA).
+    dot_in_acc = kernels_interpreted() and a.dtype == torch.bfloat16
+    with device_guard(a):
+        _cos_sim_matrix_kernel[grid](
+            a, b, out, n_rows, n_cols, d, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            BLOCK_N=GEMM_BLOCK_N, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K,
+            GROUP_N=GEMM_GROUP_N, DOT_IN_ACC=dot_in_acc, num_warps=GEMM_NUM_WARPS,
+            num_stages=GEMM_NUM_STAGES)
+    return out
