@@ -9,9 +9,14 @@ import nanfree
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # The Triton interpreter runs kernels in numpy, one program at a time: fewer examples.
-settings.register_profile("default", max_examples=60, deadline=None)
-settings.register_profile("interpreted", max_examples=15, deadline=None)
-settings.load_profile("interpreted" if INTERPRETED else "default")
+# Derandomized: every run draws the same examples, so a test passes or fails the
+# same way on every machine and CI run (HYPOTHESIS_PROFILE=explore draws new
+# ones, 500 per test, to hunt for failures).
+settings.register_profile("default", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("interpreted", max_examples=15, deadline=None, derandomize=True)
+settings.register_profile("explore", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                      or ("interpreted" if INTERPRETED else "default"))
 
 from nanfree._backends import BACKENDS, SERVING
 
@@ -41,3 +46,20 @@ def pytest_report_header(config):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+def triton_kernel_device(kernels):
+    """The device the Triton kernels of `kernels` (a nanfree._triton module) run on
+    in this process: CPU tensors when they were defined under the interpreter,
+    CUDA tensors when compiled and a GPU is present; otherwise the calling test
+    module is skipped (its kernels run in the TRITON_INTERPRET=1 pass)."""
+    if kernels.kernels_interpreted():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip(
+        "Triton is compiled in this process and no GPU is present: the Triton kernels run on "
+        "CPU tensors under Triton's interpreter, in the TRITON_INTERPRET=1 pass of "
+        "scripts/test.sh",
+        allow_module_level=True,
+    )

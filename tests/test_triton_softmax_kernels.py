@@ -14,21 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import triton_kernel_device  # noqa: E402
 from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
 from nanfree._mask_layout import mask_layout  # noqa: E402
 from nanfree._triton import softmax as K  # noqa: E402
 
-if K.kernels_interpreted():
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip(
-        "Triton is compiled in this process and no GPU is present: the Triton kernels run on "
-        "CPU tensors under Triton's interpreter, in the TRITON_INTERPRET=1 pass of "
-        "scripts/test.sh",
-        allow_module_level=True,
-    )
+DEVICE = triton_kernel_device(K)
 
 # The interpreter evaluates both sides of tl.where (log 0, 1/0, inf - inf) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
