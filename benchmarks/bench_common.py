@@ -77,7 +77,8 @@ def synchronizer(device):
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
-def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blocks=2, extra_rounds=0):
+def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blocks=2, extra_rounds=0,
+                        cheap=()):
     """{side: seconds per call of its fastest block of calls over the rounds}.
 
     In each round each side (in an order that rotates between rounds) runs blocks of
@@ -86,10 +87,16 @@ def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blo
     blocks and the fastest one: on a loaded machine some blocks escape the stalls.
     After ``rounds`` rounds, up to ``extra_rounds`` more run while the last round still
     made some side faster by more than 5% (the load of a shared machine came and went).
+
+    A side named in ``cheap`` (a slow baseline that no target depends on) whose sizing
+    call takes longer than ``budget`` is timed cheaply: that call counts as its first
+    round's block, then one call per round, in the first ``rounds`` rounds only (it
+    neither runs in nor asks for extra rounds).
     """
     names = list(calls)
     best = dict.fromkeys(names, math.inf)
     numbers = dict.fromkeys(names, number)
+    slow = set()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -97,13 +104,26 @@ def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blo
             before = dict(best)
             for name in names[r % len(names):] + names[:r % len(names)]:
                 fn = calls[name]
+                if name in slow and r >= rounds:
+                    continue
                 if numbers[name] is None:  # a warm-up call, then one to size the blocks
                     fn()
                     sync()
                     start = time.perf_counter()
                     fn()
                     sync()
-                    numbers[name] = max(1, int(block / max(time.perf_counter() - start, 1e-9)))
+                    seconds = time.perf_counter() - start
+                    numbers[name] = max(1, int(block / max(seconds, 1e-9)))
+                    if name in cheap and seconds > budget:
+                        slow.add(name)
+                        best[name] = seconds
+                        continue
+                if name in slow:
+                    start = time.perf_counter()
+                    fn()
+                    sync()
+                    best[name] = min(best[name], time.perf_counter() - start)
+                    continue
                 blocks, end = 0, time.perf_counter() + budget
                 while blocks < min_blocks or (time.perf_counter() < end and blocks < 1000):
                     start = time.perf_counter()
@@ -112,7 +132,7 @@ def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blo
                     sync()
                     best[name] = min(best[name], (time.perf_counter() - start) / numbers[name])
                     blocks += 1
-            if r + 1 >= rounds and all(best[n] > 0.95 * before[n] for n in names):
+            if r + 1 >= rounds and all(best[n] > 0.95 * before[n] for n in names if n not in slow):
                 break
     finally:
         if gc_was_enabled:
@@ -167,6 +187,12 @@ class Compiler:
                             ("fail_on_recompile_limit_hit", True)):
             if hasattr(config, name):  # never fall back to eager silently
                 setattr(config, name, value)
+        # The backward direction runs one graph's backward again and again
+        # (retain_graph), which a compiled backward that reuses ("donates") the
+        # buffers it saved refuses; the buffers' reuse only saves memory.
+        import torch._functorch.config as functorch_config
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         if enabled:
             try:
                 probe = torch.compile(lambda x: torch.softmax(x, -1) * 2, fullgraph=True)
@@ -234,17 +260,26 @@ class Bench:
         print(line)
         self.header.append(line)
 
-    def section(self, title, columns):
+    def section(self, title, columns, rate="GB/s", extra=()):
+        """Prints a section's title and column header. ``rate``: "GB/s" (with the
+        fraction of copy bandwidth) or "TFLOP/s"; ``extra``: the names of the extra
+        sides the section's compare calls time (columns: time and nanfree / side)."""
         print(f"\n== {title}\n{columns}{'nanfree':>11}{'torch':>10}{'ratio':>7}"
-              f"{'compile':>10}{'ratio':>7}{'GB/s':>8}{'%copy':>7}", flush=True)
+              f"{'compile':>10}{'ratio':>7}{rate:>8}{'%copy' if rate == 'GB/s' else '':>7}"
+              + "".join(f"{side:>10}{'nf/' + side[:3]:>7}" for side in extra), flush=True)
 
     def compare(self, fields, label, fns, inputs, direction, nbytes, args=(),
-                number=None, min_blocks=2, rounds=None, unit="ms"):
+                number=None, min_blocks=2, rounds=None, unit="ms", flops=None, cheap=()):
         """Times ``fns`` ({side: fn}; a side None is skipped) in ``direction``; returns the record.
 
         ``fields`` go to the CSV; ``label`` starts the printed line; ``nbytes`` is
-        the minimum number of bytes the op moves in this direction. With ``number``,
-        each side runs exactly ``min_blocks`` blocks of ``number`` calls per round.
+        the minimum number of bytes the op moves in this direction (achieved GB/s);
+        ``flops`` instead, the floating-point operations it must do (TFLOP/s). With
+        ``number``, each side runs exactly ``min_blocks`` blocks of ``number`` calls
+        per round. Sides other than nanfree, torch and compile (say a bare matmul of
+        the same shape) are timed alongside and recorded as ``<side>_ms`` and
+        ``nanfree_over_<side>`` (nanfree time / its time). ``cheap``: sides timed
+        with a call per round when a call is slow (see :func:`fastest_alternating`).
         """
         calls = {}
         for side, fn in fns.items():
@@ -261,19 +296,29 @@ class Bench:
                 calls.pop(side, None)
                 self.compiler.fail(exc)
         best = fastest_alternating(calls, self.sync, rounds or self.rounds, 0 if number else self.budget,
-                                   self.block, number, min_blocks, extra_rounds=self.extra_rounds)
+                                   self.block, number, min_blocks, extra_rounds=self.extra_rounds, cheap=cheap)
         ours, base, comp = (best.get(side) for side in SIDES)
         gbs = nbytes / ours / 1e9 if nbytes else None
         record = dict(machine=self.machine, **fields, direction=direction, nanfree_ms=ours * 1e3,
                       torch_ms=base * 1e3, compile_ms=comp * 1e3 if comp else None, ratio=base / ours,
                       ratio_compile=comp / ours if comp else None, gbs=gbs,
                       copy_fraction=gbs / self.copy_gbs if gbs else None)
+        if flops:
+            record["tflops"] = flops / ours / 1e12
+        extra = [side for side in fns if side not in SIDES]
+        for side in extra:
+            record[f"{side}_ms"] = best[side] * 1e3 if side in best else None
+            record[f"nanfree_over_{side}"] = ours / best[side] if side in best else None
         self.records.append(record)
         self.max_load = max(self.max_load, os.getloadavg()[0])
         scale = 1e3 if unit == "us" else 1
         print(f"{label}{ours * 1e3 * scale:>11.4g}{base * 1e3 * scale:>10.4g}{record['ratio']:>7.2f}"
               + (f"{comp * 1e3 * scale:>10.4g}{record['ratio_compile']:>7.2f}" if comp else f"{'n/a':>10}{'':>7}")
               + (f"{gbs:>8.1f}{100 * record['copy_fraction']:>6.0f}%" if gbs else "")
+              + ((f"{record['tflops']:>8.3g}" if record["tflops"] >= 0.01 else f"{record['tflops']:>8.1e}")
+                 + f"{'':>7}" if flops else "")
+              + "".join(f"{best[side] * 1e3 * scale:>10.4g}{record[f'nanfree_over_{side}']:>7.2f}"
+                        if side in best else f"{'n/a':>10}{'':>7}" for side in extra)
               + f"   [{time.time() - self.started:.0f}s]", flush=True)
         return record
 
@@ -358,11 +403,13 @@ def geomean_table(records, group_keys, title):
 # --- picture ---------------------------------------------------------------------------
 
 def plot_ratios(records, path, title, copy_gbs=None, panel_key="op", x_key="cols",
-                line_keys=("dtype", "variant")):
+                line_keys=("dtype", "variant"), show_rate=None, x_label=None):
     """A PNG: a row of panels per ``panel_key`` value; columns: ratio to torch eager, to
-    torch.compile (if measured) and achieved GB/s (if ``copy_gbs``); x: ``x_key`` (log2);
-    a line per ``line_keys`` value (the geometric mean over the other fields, with a bar
-    spanning their range)."""
+    torch.compile (if measured) and the achieved rate (if ``show_rate``, by default if
+    ``copy_gbs``): GB/s, with the copy bandwidth ``copy_gbs`` drawn, for a panel whose
+    records have ``gbs``, else TFLOP/s (``tflops``); x: ``x_key`` (log2, labelled
+    ``x_label``); a line per ``line_keys`` value (the geometric mean over the other
+    fields, with a bar spanning their range)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -370,8 +417,8 @@ def plot_ratios(records, path, title, copy_gbs=None, panel_key="op", x_key="cols
     columns = [("ratio", "vs torch eager", "torch time / nanfree time")]
     if any(r.get("ratio_compile") is not None for r in records):
         columns.append(("ratio_compile", "vs torch.compile", "torch.compile time / nanfree time"))
-    if copy_gbs:
-        columns.append(("gbs", "achieved bandwidth", "nanfree GB/s (minimum bytes)"))
+    if copy_gbs if show_rate is None else show_rate:
+        columns.append(("rate", None, None))  # per panel: GB/s or TFLOP/s
     panels = list(dict.fromkeys(r[panel_key] for r in records))
     lines = list(dict.fromkeys(tuple(r[k] for k in line_keys) for r in records))
     xticks = sorted({r[x_key] for r in records})
@@ -384,6 +431,11 @@ def plot_ratios(records, path, title, copy_gbs=None, panel_key="op", x_key="cols
     for i, panel in enumerate(panels):
         for j, (key, what, ylabel) in enumerate(columns):
             ax = axes[i][j]
+            if key == "rate":
+                if any(r.get("gbs") is not None for r in records if r[panel_key] == panel):
+                    key, what, ylabel = "gbs", "achieved bandwidth", "nanfree GB/s (minimum bytes)"
+                else:
+                    key, what, ylabel = "tflops", "achieved compute", "nanfree TFLOP/s (minimum FLOPs)"
             for line in lines:
                 xs, mids, lows, highs = [], [], [], []
                 for x in xticks:
@@ -398,9 +450,11 @@ def plot_ratios(records, path, title, copy_gbs=None, panel_key="op", x_key="cols
                                 color=colors(firsts.index(line[0]) % 10),
                                 linestyle=styles[lasts.index(line[-1]) % len(styles)],
                                 label=" ".join(map(str, line)) if i == 0 and j == 0 else None)
-            if key == "gbs":
+            if key == "gbs" and copy_gbs:
                 ax.axhline(copy_gbs, color="grey", linewidth=1)
                 ax.text(xticks[0], copy_gbs, " copy bandwidth", fontsize=7, va="top")
+                ax.set_ylim(bottom=0)
+            elif key in ("gbs", "tflops"):
                 ax.set_ylim(bottom=0)
             else:
                 ax.axhline(1.0, color="grey", linewidth=1)
@@ -409,17 +463,21 @@ def plot_ratios(records, path, title, copy_gbs=None, panel_key="op", x_key="cols
                 ticks = [2.0 ** k for k in range(-6, 9)]
                 if high / low < 10:  # a narrow range: intermediate ticks too
                     ticks += [0.75, 1.25, 1.5, 3, 6]
+                if high / low < 1.6:  # a very narrow one: finer still
+                    ticks += [0.8, 0.9, 1.1, 1.2]
                 ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(sorted(ticks)))
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
                 ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xscale("log", base=2)
+            if len(xticks) == 1:  # one x value: a range around it (log scale needs one)
+                ax.set_xlim(xticks[0] / 2, xticks[0] * 2)
             ax.set_xticks(xticks, [str(x) for x in xticks], fontsize=8)
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set_title(f"{panel}: {what}", fontsize=10)
             ax.set_ylabel(ylabel, fontsize=8)
             ax.grid(True, alpha=0.3)
             if i == len(panels) - 1:
-                ax.set_xlabel(f"row length ({x_key}), log scale", fontsize=8)
+                ax.set_xlabel(x_label or f"row length ({x_key}), log scale", fontsize=8)
     fig.legend(loc="lower center", ncol=min(len(lines), 6), fontsize=8, frameon=False)
     fig.suptitle(title + "\nratios above 1: nanfree faster; points: geometric mean over "
                  "tensor sizes, bars: their range", fontsize=10)
