@@ -21,13 +21,6 @@
 namespace nanfree {
 namespace {
 
-// `dim` wrapped into [0, rank); IndexError otherwise (as torch's, naming the op).
-int64_t wrap_vector_dim(const char* op, int64_t dim, int64_t rank) {
-  TORCH_CHECK_INDEX(rank > 0 && dim >= -rank && dim < rank, "nanfree.", op, ": `dim` ", dim,
-                    " is out of range for a tensor of ", rank, " dimensions");
-  return dim < 0 ? dim + rank : dim;
-}
-
 // The dtype two inputs are computed in (torch's promotion); both must be floating.
 at::ScalarType common_float_dtype(const char* op, const char* name1, const at::Tensor& t1,
                                   const char* name2, const at::Tensor& t2) {
@@ -56,7 +49,8 @@ at::Tensor cosine_similarity(const at::Tensor& x1, const at::Tensor& x2, int64_t
   const at::ScalarType dtype = common_float_dtype(name, "x1", x1, "x2", x2);
   check_same_device(name, "x2", x1, x2, "x1");
   const std::vector<int64_t> shape = broadcast_shape(name, x1, x2);
-  dim = wrap_vector_dim(name, dim, static_cast<int64_t>(shape.size()));
+  const auto rank = static_cast<int64_t>(shape.size());
+  dim = wrap_dim(name, dim, rank, rank);
   const auto vectors_last = [&](const at::Tensor& t) {
     return t.to(dtype).expand(shape).movedim(dim, -1);
   };
@@ -66,7 +60,7 @@ at::Tensor cosine_similarity(const at::Tensor& x1, const at::Tensor& x2, int64_t
 at::Tensor normalize(const at::Tensor& input, int64_t dim, double eps) {
   static const auto op = find_op<NormalizeSignature>("nanfree::normalize");
   check_float_input("normalize", "input", input);
-  dim = wrap_vector_dim("normalize", dim, input.dim());
+  dim = wrap_dim("normalize", dim, input.dim(), input.dim());
   return std::get<0>(op.call(input.movedim(dim, -1), eps)).movedim(-1, dim);
 }
 

@@ -27,3 +27,12 @@ def check_device(op, name, ref, t, ref_name="input"):
 def check_eps(op, eps):
     if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"nanfree.{op}: `eps` must be positive and finite, got {eps!r}")
+
+
+def wrap_dim(op, dim, rank, ndim):
+    """`dim` wrapped into [0, rank), else IndexError; `ndim` is the tensor's number
+    of dimensions for the message (as csrc/common/checks.h)."""
+    if not -rank <= dim < rank:
+        raise IndexError(
+            f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {ndim} dimensions")
+    return dim % rank

@@ -6,16 +6,13 @@ import math
 
 import torch
 
+from . import _checks
 from ._checks import acc_dtype, check_device, check_float  # noqa: F401  (re-exported)
 
 
 def wrap_dim(op, t, dim):
     """`dim` in [0, rank) (a 0-d tensor counts as one dimension), else IndexError."""
-    rank = max(t.dim(), 1)
-    if not -rank <= dim < rank:
-        raise IndexError(
-            f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {t.dim()} dimensions")
-    return dim % rank
+    return _checks.wrap_dim(op, dim, max(t.dim(), 1), t.dim())
 
 
 def _broadcasts_to(src, dst):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _backends  # noqa: F401  (loads the kernels and registrations)
-from . import _C
+from . import _C, _checks
 from ._checks import check_device, check_eps
 from ._softmax_checks import broadcast_mask, check_float, wrap_dim
 from ._torch_backend.cosine import normalize_p
@@ -24,13 +24,27 @@ __all__ = ["softmax", "log_softmax", "logsumexp", "cosine_similarity", "normaliz
 _is_compiling = torch.compiler.is_compiling
 
 
+def _check_tensors(op, **tensors):
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_number(op, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"nanfree.{op}: `{name}` must be a number, got {type(value).__name__}")
+
+
+def _check_dim_type(op, dim):
+    if not isinstance(dim, int):
+        raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
+
+
 def _check_python_types(op, input, dim, dtype=None, mask=None):
     """Raises the TypeError naming the argument that is not of its Python type
     (the C++ entry points only say that the call did not match)."""
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"nanfree.{op}: `input` must be a torch.Tensor, got {type(input).__name__}")
-    if not isinstance(dim, int):
-        raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
+    _check_tensors(op, input=input)
+    _check_dim_type(op, dim)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"nanfree.{op}: `dtype` must be a torch.dtype or None, got {dtype!r}")
     if mask is not None and not isinstance(mask, torch.Tensor):
@@ -133,28 +147,9 @@ def logsumexp(input, dim, keepdim=False, *, mask=None):
 COS_SIM_EPS = 1e-12
 
 
-def _check_tensors(op, **tensors):
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_number(op, name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"nanfree.{op}: `{name}` must be a number, got {type(value).__name__}")
-
-
-def _check_dim_type(op, dim):
-    if not isinstance(dim, int):
-        raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
-
-
 def _wrap_vector_dim(op, dim, rank):
     _check_dim_type(op, dim)
-    if rank == 0 or not -rank <= dim < rank:
-        raise IndexError(f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {rank} "
-                         "dimensions")
-    return dim % rank
+    return _checks.wrap_dim(op, dim, rank, rank)
 
 
 def _common_float_dtype(op, **tensors):

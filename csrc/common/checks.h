@@ -23,6 +23,15 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
                     t.device(), " but `", ref_name, "` is on ", ref.device());
 }
 
+// `dim` wrapped into [0, rank), IndexError otherwise; `ndim` is the tensor's
+// number of dimensions for the message (rank may differ: softmax counts a 0-d
+// tensor as one dimension, the cosine ops, whose vectors need one, do not).
+inline int64_t wrap_dim(const char* op, int64_t dim, int64_t rank, int64_t ndim) {
+  TORCH_CHECK_INDEX(dim >= -rank && dim < rank, "nanfree.", op, ": `dim` ", dim,
+                    " is out of range for a tensor of ", ndim, " dimensions");
+  return dim < 0 ? dim + rank : dim;
+}
+
 // A positive, finite eps (ValueError in Python).
 inline void check_eps(const char* op, double eps) {
   TORCH_CHECK_VALUE(eps > 0 && eps < std::numeric_limits<double>::infinity(), "nanfree.", op,

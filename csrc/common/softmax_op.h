@@ -46,10 +46,7 @@ inline std::string backward_name(SoftmaxKind kind) { return forward_name(kind) +
 
 // `dim` wrapped into [0, rank) (a 0-d tensor counts as one dimension); IndexError otherwise.
 inline int64_t wrap_dim(const char* op, const at::Tensor& input, int64_t dim) {
-  const int64_t rank = std::max<int64_t>(input.dim(), 1);
-  TORCH_CHECK_INDEX(dim >= -rank && dim < rank, "nanfree.", op, ": `dim` ", dim,
-                    " is out of range for a tensor of ", input.dim(), " dimensions");
-  return dim < 0 ? dim + rank : dim;
+  return wrap_dim(op, dim, std::max<int64_t>(input.dim(), 1), input.dim());
 }
 
 // Whether a tensor of shape `from` broadcasts to `to` without growing it.
