@@ -67,9 +67,9 @@ namespace {
 // norm's division and square root to write the output (a budget of 32 float
 // accumulators there spills); 8 accumulators for scalar loads, whose indexing
 // takes more registers. With these budgets ptxas (CUDA 13) spills nothing on
-// sm_90; on sm_80 three kernels of the scalar-load fallback (rows whose length
-// is not a multiple of a 16-byte vector) spill 4 to 12 bytes. Recheck with
-// -Xptxas -v after a change.
+// sm_90; on sm_80 the three normalize_backward kernels of the scalar-load
+// fallback (rows whose length is not a multiple of a 16-byte vector) that
+// cache 8 vectors spill 4 to 16 bytes. Recheck with -Xptxas -v after a change.
 enum class Cached { NormalizeForward, TwoOperands };
 template <typename scalar_t>
 constexpr int cached_iters(Cached kind, int vec) {
