@@ -288,3 +288,138 @@ def test_bad_p_and_mask():
         G.gem(x, 3.0, mask=torch.ones(2, 3))
     with pytest.raises(IndexError, match="`dim`"):
         G.gem(x, 3.0, dim=2)
+
+
+# --- p's gradient at small p: the divergence form ------------------------------------
+
+
+def _rows(kind, b, n, gen):
+    """b rows of n float64 entries of a given shape of distribution."""
+    if kind == "sin":
+        return torch.tensor([_plain(n, 0.3 * i) for i in range(b)], dtype=torch.float64)
+    z = torch.randn(b, n, generator=gen, dtype=torch.float64)
+    if kind == "abs normal":
+        return z.abs()
+    if kind == "relu":  # about half the entries clamped to eps: eps^p enters p's gradient
+        return z.clamp(min=0)
+    return torch.exp(2.0 * z)  # log-normal: ratios down to 1e-7
+
+
+def _p_grad_errors(x, p, eps):
+    """(ours, torch's) largest per-row error of p's gradient against the oracle,
+    relative to the largest exact gradient; torch's is inf where it is not finite."""
+    ours, theirs, scale = [], [], 0.0
+    for b in range(x.shape[0]):
+        xb = x[b:b + 1]
+        p_ref = torch.tensor(p, dtype=torch.float32, requires_grad=True)
+        gem_oracle.gem(xb.double(), p_ref, 1, eps).sum().backward()
+        ref = p_ref.grad.double().item()
+        p_t = torch.tensor(p, dtype=torch.float32, requires_grad=True)
+        # torch's composition at the input's dtype (a 0-dim float32 p does not promote it).
+        xb.clamp(min=eps).pow(p_t).mean(1).pow(1 / p_t).float().sum().backward()
+        torch_dp = p_t.grad.double().item()
+        p_op = torch.tensor([p], dtype=torch.float32)
+        out, stats = G.gem(xb, p_op, dim=1, eps=eps)
+        _, dp = G.gem_backward(torch.ones(1, dtype=x.dtype), xb, p_op, out, stats, dim=1, eps=eps)
+        ours.append(abs(dp.double().item() - ref))
+        theirs.append(abs(torch_dp - ref) if math.isfinite(torch_dp) else INF)
+        scale = max(scale, abs(ref))
+    return max(ours) / scale, max(theirs) / scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["sin", "abs normal", "relu", "log-normal"])
+def test_p_grad_sweep_at_most_twice_torch(kind, dtype):
+    # p from the low clamp up: the old form T / (p mean) - log(mean) / p^2
+    # cancelled two O(1/p) terms (2.2x torch's error at p = 0.0125); the
+    # divergence D / p^2 has no cancellation. What is left is gem's own error,
+    # the saved mean's rounding raised to 1/p, as in torch's composition.
+    gen = torch.Generator().manual_seed(7)
+    x = _rows(kind, 6, 33, gen).to(dtype)
+    floor = torch.finfo(torch.float32).eps  # p's gradient is float32: one rounding
+    known = []
+    for p in (0.0101, 0.0125, 0.02, 0.035, 0.05, 0.075, 0.1, 0.5, 3.0, 64.0):
+        ours, theirs = _p_grad_errors(x, p, 1e-6)
+        # And absolutely: gem's rounding amplified by at most 1/p, plus a few ulp.
+        assert ours <= (64 / p + 64) * floor, f"p={p}: error {ours}"
+        if ours > 2 * theirs + floor:
+            msg = f"p={p}: error {ours} vs torch {theirs}"
+            assert (dtype, kind, p) in _KNOWN_GEM_FORWARD_LIMITED, msg
+            known.append(msg)
+    if known:
+        pytest.xfail("gem's forward rounding (mean^(1/p)), not D: " + "; ".join(known))
+
+
+# Points where the remaining error is gem = m * mean^(1/p) itself (the saved
+# mean's rounding raised to 1/p; D is within a few ulp there), and torch's
+# composition was luckier: to be fixed by a centred forward, not by D.
+_KNOWN_GEM_FORWARD_LIMITED = {(torch.float32, "relu", 0.05)}
+
+
+@pytest.mark.parametrize("p", [0.01, 0.0125, 0.05, 0.5, 3.0, 64.0, 100.0])
+def test_divergence_matches_float64(p):
+    # D = (1/n) sum h(p log r - log mean) in float32 against float64 KL(w || uniform),
+    # w = softmax(p log c): a few ulp for every p (no 1/p amplification).
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([_rows(k, 4, 40, gen) for k in ("sin", "abs normal", "relu", "log-normal")])
+    eps = 1e-6
+    xf = x.float()
+    pv = torch.tensor(p, dtype=torch.float32)
+    _, stats = G.gem(xf, pv, dim=1, eps=eps)
+    m, mean, count = (s.unsqueeze(-1) for s in stats)
+    c = G.clamp_to_eps(xf, eps)
+    d = G.gem_divergence_term(c, m, torch.log(mean), pv).mean(dim=1).double()
+    u = float(pv) * torch.log(xf.double().clamp(min=eps))
+    w = torch.softmax(u, dim=1)
+    exact = (w * u).sum(1) - (torch.logsumexp(u, 1) - math.log(u.shape[1]))
+    assert (d >= 0).all()
+    torch.testing.assert_close(d, exact, rtol=16 * torch.finfo(torch.float32).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_divergence_h(dtype):
+    # h(s) = 1 + (s - 1) e^s: the series inside [-1, 1] meets the closed form at
+    # the ends, is s^2 / 2 near 0, and float32 is within a few ulp of float64.
+    s = torch.linspace(-3, 3, 6001, dtype=torch.float64)
+    s = torch.cat([s, torch.tensor([-1e-30, 1e-30, 0.0, -1.0, 1.0, -200.0, -1e5,
+                                    math.log(1e4)], dtype=torch.float64)])
+    h64 = G.gem_divergence_h(s)
+    assert (h64 >= 0).all() and torch.isfinite(h64).all()
+    assert h64[-6] == 0.0 and h64[-3] == 1.0 and h64[-2] == 1.0  # 0; e^s = 0
+    tiny = torch.tensor([1e-4, -1e-4, 1e-6], dtype=torch.float64)
+    torch.testing.assert_close(G.gem_divergence_h(tiny), tiny ** 2 / 2 + tiny ** 3 / 3 + tiny ** 4 / 8,
+                               rtol=1e-12, atol=0)
+    outer = s.abs() >= 0.5  # the closed form loses at most ~4 bits there in float64
+    closed = 1.0 + (s - 1.0) * torch.exp(s)
+    torch.testing.assert_close(h64[outer], closed[outer], rtol=1e-14, atol=0)
+    if dtype == torch.float32:
+        h32 = G.gem_divergence_h(s.float()).double()
+        ref = G.gem_divergence_h(s.float().double())  # same arguments, in float64
+        # (s = 1e-30: h = 5e-61 is below float32's range and underflows to 0.)
+        torch.testing.assert_close(h32, ref, rtol=8 * torch.finfo(torch.float32).eps,
+                                   atol=torch.finfo(torch.float32).tiny)
+    assert torch.isnan(G.gem_divergence_h(torch.tensor([math.nan], dtype=dtype))).all()
+
+
+def test_header_compiles(tmp_path):
+    # The header is the single source of the math: it must compile on its own.
+    import shutil
+    import subprocess
+    from pathlib import Path
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++")
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "gem_math_check.cpp"
+    src.write_text('#include "nanfree/gem_math.h"\n'
+                   "template float nanfree::gem_divergence_h<float>(float);\n"
+                   "template double nanfree::gem_divergence_term<double>(double, double, double, double);\n"
+                   "float f(float g, float x) {\n"
+                   "  using namespace nanfree;\n"
+                   "  return gem_p_grad(g, x, x, 1.0f, gem_divergence_term(x, x, 0.0f, 0.5f), 0.5f) +\n"
+                   "         gem_input_grad(g, x, 1e-6f, x, 1.0f, 1.0f, 3.0f);\n"
+                   "}\n")
+    res = subprocess.run([gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra",
+                          f"-I{root / 'csrc' / 'include'}", str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

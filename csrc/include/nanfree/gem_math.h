@@ -26,7 +26,19 @@
 //   dgem/dx_i = mean^(1/p - 1) * r_i^(p - 1) / n           (kept, x_i > eps)
 //             = gem * r_i^(p-1) / (n * mean * m)
 //   dgem/dp   = gem * (T / (p * mean) - log(mean) / p^2),  T = (1/n) sum r_i^p log r_i
-// (m cancels from gem, so it is a constant of the differentiation.)
+//             = gem * D / p^2,   D = (1/n) sum h(s_i),  s_i = p log r_i - log(mean)
+// (m cancels from gem, so it is a constant of the differentiation.) The two
+// terms of the first form are O(1/p) and cancel to O(1) at small p (p = 0.0125
+// lost 2.8e-3 relative in float). D is the same bracket times p^2, rewritten as
+// the Kullback-Leibler divergence of the weights w_i = r_i^p / sum r^p from
+// uniform: with t_i = r_i^p / mean = e^(s_i) (so mean t = 1),
+//   D = E_w[p log r] - log(mean) = (1/n) sum (t_i log t_i - t_i + 1),
+// and t log t - t + 1 = h(s) = 1 + (s - 1) e^s >= 0: a mean of nonnegative
+// terms, each evaluated without cancellation (gem_divergence_h), so nothing
+// cancels between entries. An error delta in log(mean) (the saved mean's
+// rounding) changes D by only D * delta + delta^2 / 2, since the sum of
+// h'(s_i) = s_i e^(s_i) is n D. The backward needs no stat beyond the
+// forward's (m, mean, count): one pass over the entries with log(mean).
 #pragma once
 
 #include "nanfree/numerics.h"
@@ -187,28 +199,52 @@ NF_HOST_DEVICE T gem_input_grad(T g, T x, T eps, T m, T mean, T count, T p) {
   return g * gem_input_grad_weight(clamp_to_eps(x, eps), m, mean, count, p);
 }
 
-// One entry's term of T = (1/n) sum r^p log r, summed over the kept entries
-// (clamped ones included: eps^p depends on p). r^p log r -> 0 as r^p -> 0; an
-// r^p that underflowed (or the 0 ratio of an m = +inf reduction, where log r
-// is -inf) gives 0 rather than 0 * -inf.
+// h(s) = 1 + (s - 1) e^s = t log t - t + 1 at t = e^s: >= 0, 0 only at s = 0,
+// and s^2 / 2 + O(s^3) near it (the integral of t e^t from 0 to s). For
+// |s| <= 1 the series s^2 * sum_k s^k / (k! (k + 2)), truncated where the
+// first omitted term is below half an ulp of h (h(+-1) >= 1 - 2/e = 0.26):
+// its terms fall like 1/k!, and for s < 0 they alternate from 1/2 down to a
+// sum >= 0.26, so at most about one bit is lost. Beyond, the closed form,
+// whose terms (1 and |s - 1| e^s) exceed h by at most 1.73 / 0.26 (s = -1).
 template <typename T>
-NF_HOST_DEVICE T gem_power_log_term(T c, T m, T p) {
-  const T rp = gem_ratio_power(c, m, p);
-  if (rp == T(0)) return T(0);  // the limit; log r may be -inf
-  if (m == nf_inf<T>()) return T(0);  // r = 1 at a +inf entry: log 1 = 0
-  return rp * gem_log_ratio(c, m);
+NF_HOST_DEVICE T gem_divergence_h(T s) {
+  if (s >= T(-1) && s <= T(1)) {
+    constexpr int kTerms = sizeof(T) > 4 ? 17 : 10;
+    T term = T(1);
+    T sum = T(0.5);
+    for (int k = 1; k <= kTerms; ++k) {
+      term *= s / T(k);
+      sum += term / T(k + 2);
+    }
+    return s * s * sum;
+  }
+  // A NaN s fails the test above and stays NaN here; s <= log n (t <= n), so
+  // e^s is finite, and for a very negative s it underflows to 0: h = 1, the limit.
+  return T(1) + (s - T(1)) * nf_exp(s);
 }
 
-// d gem / d p of one reduction for incoming g, given T = (1/n) sum of
-// gem_power_log_term: g * gem * (T / (p mean) - log(mean) / p^2). log(mean)
-// is finite (mean >= 1/n) and |T| <= 1 / (e p). 0 for a reduction without
-// gradient. gem times the bracket may pass the type's range (gem near the
-// largest value, p near 1e-2): it is bounded first, so that g = 0 gives 0.
+// One kept entry's term h(s) of D = (1/n) sum h(s_i), s = p log r - log(mean),
+// summed over the kept entries (clamped ones included: eps^p depends on p;
+// masked ones left out, as from n). For a reduction with gradient only
+// (gem_has_gradient: n > 0, m finite), where log r is finite (c >= eps >= the
+// smallest normal, gem_log_ratio) and log(mean) is too (mean >= 1/n): s is
+// finite. An entry whose r^p is below the type's range (e^s = 0) contributes
+// 1, the limit of t log t - t + 1 at t = 0, not 0. `log_mean` is log(mean),
+// taken once per reduction. A NaN c or m gives NaN.
 template <typename T>
-NF_HOST_DEVICE T gem_p_grad(T g, T gem, T m, T mean, T count, T mean_power_log, T p) {
+NF_HOST_DEVICE T gem_divergence_term(T c, T m, T log_mean, T p) {
+  return gem_divergence_h(p * gem_log_ratio(c, m) - log_mean);
+}
+
+// d gem / d p of one reduction for incoming g, given D = (1/n) sum of
+// gem_divergence_term: g * gem * D / p^2. D lies in [0, log n] (a divergence
+// from uniform), so D / p^2 <= 1e4 log n is finite. 0 for a reduction without
+// gradient. gem times D / p^2 may pass the type's range (gem near the largest
+// value, p near 1e-2): it is bounded first, so that g = 0 gives 0.
+template <typename T>
+NF_HOST_DEVICE T gem_p_grad(T g, T gem, T m, T count, T divergence, T p) {
   if (!gem_has_gradient(m, count)) return T(0);
-  const T bracket = mean_power_log / (p * mean) - nf_log(mean) / (p * p);
-  T v = gem * bracket;
+  T v = gem * (divergence / (p * p));
   v = v > gem_big<T>() ? gem_big<T>() : (v < -gem_big<T>() ? -gem_big<T>() : v);  // NaN stays
   return g * v;
 }
