@@ -37,4 +37,22 @@ TORCH_LIBRARY(nanfree, m) {
   // clamp(a @ b.T, -1, 1) of row-normalized a [N, d] and b [M, d] (cos_sim's
   // GEMM); its gradient passes the clamp straight through.
   m.def("cos_sim_matrix(Tensor a, Tensor b) -> Tensor");
+
+  // GeM pooling over dim 1 of a 3-D input [outer, n, inner] (nanfree.ops
+  // views any dim or tuple of dims as the middle one): the output is
+  // [outer, inner], mean(max(x, eps) ** p) ** (1/p) over the kept entries.
+  // `p` is None (then `p_value`, finite and > 0, is used as is) or a floating
+  // tensor of one element, clamped to [1e-2, 1e2] in the accumulation dtype.
+  // `mask` is None or a bool tensor of the input's shape (any strides; True =
+  // keep). `stats` is [outer, inner, 3] of the accumulation dtype (float32,
+  // float64 for float64 input): (m, mean, count) of gem_math.h. The backward
+  // returns (grad_input, grad_p): grad_p is, when `p_grad` (p given), the 0-d
+  // sum over reductions of d gem / d p (before the clamp's mask; autograd
+  // applies it and casts to p's dtype), else an empty [0] tensor.
+  m.def(
+      "gem(Tensor input, Tensor? p, float p_value, float eps, Tensor? mask=None) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "gem_backward(Tensor grad_output, Tensor input, Tensor? p, float p_value, Tensor stats, "
+      "float eps, Tensor? mask, bool p_grad) -> (Tensor, Tensor)");
 }

@@ -36,3 +36,25 @@ def wrap_dim(op, dim, rank, ndim):
         raise IndexError(
             f"nanfree.{op}: `dim` {dim} is out of range for a tensor of {ndim} dimensions")
     return dim % rank
+
+
+def _broadcasts_to(src, dst):
+    if len(src) > len(dst):
+        return False
+    lead = len(dst) - len(src)
+    return all(s in (1, dst[lead + d]) for d, s in enumerate(src))
+
+
+def broadcast_mask(op, ref, mask):
+    """The mask as a bool tensor of ref's shape (an expanded view), or None."""
+    if mask is None:
+        return None
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"nanfree.{op}: `mask` must be bool or integer (nonzero = keep), "
+                        f"got {mask.dtype}")
+    check_device(op, "mask", ref, mask)
+    if not _broadcasts_to(mask.shape, ref.shape):
+        raise ValueError(f"nanfree.{op}: `mask` of shape {list(mask.shape)} does not broadcast "
+                         f"to the input's shape {list(ref.shape)}")
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    return keep.expand(ref.shape)

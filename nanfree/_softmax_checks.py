@@ -7,34 +7,12 @@ import math
 import torch
 
 from . import _checks
-from ._checks import acc_dtype, check_device, check_float  # noqa: F401  (re-exported)
+from ._checks import acc_dtype, broadcast_mask, check_device, check_float  # noqa: F401  (re-exported)
 
 
 def wrap_dim(op, t, dim):
     """`dim` in [0, rank) (a 0-d tensor counts as one dimension), else IndexError."""
     return _checks.wrap_dim(op, dim, max(t.dim(), 1), t.dim())
-
-
-def _broadcasts_to(src, dst):
-    if len(src) > len(dst):
-        return False
-    lead = len(dst) - len(src)
-    return all(s in (1, dst[lead + d]) for d, s in enumerate(src))
-
-
-def broadcast_mask(op, ref, mask):
-    """The mask as a bool tensor of ref's shape (an expanded view), or None."""
-    if mask is None:
-        return None
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(f"nanfree.{op}: `mask` must be bool or integer (nonzero = keep), "
-                        f"got {mask.dtype}")
-    check_device(op, "mask", ref, mask)
-    if not _broadcasts_to(mask.shape, ref.shape):
-        raise ValueError(f"nanfree.{op}: `mask` of shape {list(mask.shape)} does not broadcast "
-                         f"to the input's shape {list(ref.shape)}")
-    keep = mask if mask.dtype == torch.bool else mask != 0
-    return keep.expand(ref.shape)
 
 
 def problem_shape(t, dim):

@@ -9,6 +9,7 @@ Each function calls its operator through the C++ entry points of ``nanfree._C``
 range, ``ValueError`` for a mask that does not broadcast or is on another device.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,10 @@ from ._checks import check_device, check_eps
 from ._softmax_checks import broadcast_mask, check_float, wrap_dim
 from ._torch_backend.cosine import normalize_p
 
-__all__ = ["softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim"]
+__all__ = [
+    "softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim", "gem",
+    "gem_pool2d",
+]
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -246,3 +250,92 @@ def cos_sim(a, b):
     a_rows = torch.ops.nanfree.normalize(a_rows.to(dtype), COS_SIM_EPS)[0]
     b_rows = torch.ops.nanfree.normalize(b_rows.to(dtype), COS_SIM_EPS)[0]
     return torch.ops.nanfree.cos_sim_matrix(a_rows, b_rows)
+
+
+# --- GeM family --------------------------------------------------------------------
+
+
+def _gem_dims(input, dim):
+    """The reduced dims, wrapped and sorted (a 0-d tensor counts as one dimension)."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, Sequence)) or isinstance(dim, str):
+        raise TypeError(f"nanfree.gem: `dim` must be an int or a non-empty sequence of ints, "
+                        f"got {dim!r}")
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"nanfree.gem: `dim` must be an int or a non-empty sequence of ints, "
+                        f"got {dim!r}")
+    wrapped = sorted(wrap_dim("gem", input, d) for d in dims)
+    if len(set(wrapped)) != len(wrapped):
+        raise ValueError(f"nanfree.gem: `dim` {tuple(dims)} names a dimension twice")
+    return wrapped
+
+
+def _gem_view(t, dims):
+    """t as the ops' [outer, n, inner] (a view when the reduced dims are adjacent
+    and t's layout allows; otherwise they are moved last, a copy)."""
+    if t.dim() == 0:
+        return t.reshape(1, 1, 1)
+    first, last = dims[0], dims[-1]
+    if _consecutive(dims):
+        shape = t.shape
+        return t.reshape(math.prod(shape[:first]), math.prod(shape[first:last + 1]),
+                         math.prod(shape[last + 1:]))
+    kept = [d for d in range(t.dim()) if d not in dims]
+    moved = t.permute(*kept, *dims)
+    return moved.reshape(math.prod(moved.shape[:len(kept)]), -1, 1)
+
+
+def _gem_p(p):
+    """(p tensor or None, Python p value) as the ops take them."""
+    if isinstance(p, torch.Tensor):
+        return p, 0.0
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"nanfree.gem: `p` must be a number or a tensor, got {type(p).__name__}")
+    p = float(p)
+    if not (math.isfinite(p) and p > 0):
+        raise ValueError(f"nanfree.gem: `p` must be finite and > 0, got {p}")
+    return None, p
+
+
+def gem(input, p=3.0, dim=-1, eps=1e-6, keepdim=False, *, mask=None):
+    """Generalized mean ``mean(clamp(input, min=eps) ** p, dim) ** (1/p)`` over ``dim``
+    (an int or a sequence of ints), computed from the largest clamped value of each
+    reduction so that nothing overflows or underflows. ``p`` is a float (finite, > 0)
+    or a one-element tensor that may require grad (clamped to [1e-2, 1e2]). ``mask``
+    (bool or integer, nonzero = keep) broadcasts to ``input``; a reduction with no
+    kept entry gives 0 with gradient 0."""
+    _check_tensors("gem", input=input)
+    _check_number("gem", "eps", eps)
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"nanfree.gem: `mask` must be a torch.Tensor or None, "
+                        f"got {type(mask).__name__}")
+    check_float("gem", "input", input)
+    p_tensor, p_value = _gem_p(p)
+    check_eps("gem", eps)
+    if p_tensor is not None:
+        check_float("gem", "p", p_tensor)
+        if p_tensor.numel() != 1 or p_tensor.dim() > 1:
+            raise ValueError(f"nanfree.gem: a tensor `p` must have shape [] or [1], got "
+                             f"{list(p_tensor.shape)}")
+        check_device("gem", "p", input, p_tensor)
+    dims = _gem_dims(input, dim)
+    keep = broadcast_mask("gem", input, mask)
+    x = _gem_view(input, dims)
+    m = None if keep is None else _gem_view(keep, dims)
+    out = torch.ops.nanfree.gem(x, p_tensor, p_value, float(eps), m)[0]
+    if input.dim() == 0:
+        return out.reshape(())
+    shape = [1 if d in dims else size for d, size in enumerate(input.shape)]
+    if not keepdim:
+        shape = [size for d, size in enumerate(shape) if d not in dims]
+    return out.reshape(shape)
+
+
+def gem_pool2d(input, p=3.0, eps=1e-6):
+    """GeM pooling of images, as cirtorch's ``gem``: ``[B, C, H, W] -> [B, C, 1, 1]``
+    (a 3-D ``[C, H, W]`` gives ``[C, 1, 1]``), the generalized mean over H and W."""
+    _check_tensors("gem_pool2d", input=input)
+    if input.dim() not in (3, 4):
+        raise ValueError(f"nanfree.gem_pool2d: `input` must be [B, C, H, W] or [C, H, W], "
+                         f"got {input.dim()} dimensions")
+    return gem(input, p, (-2, -1), eps, keepdim=True)

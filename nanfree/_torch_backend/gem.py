@@ -11,30 +11,28 @@ never differentiated by autograd, so an unused inf or NaN branch is harmless).
 fp16/bf16 inputs are computed in float32, float64 in float64; a tensor p is
 clamped to [1e-2, 1e2] and used in that accumulation type.
 
-Stats layout (what ``gem`` saves for ``gem_backward``): a tensor of the
-accumulation dtype and shape ``[3, *kept]``, where ``kept`` is the input's
-shape without the reduced dims (as the output with keepdim=False):
+The ops ``gem`` and ``gem_backward`` (schemas in csrc/registration.cpp) reduce
+dim 1 of a 3-D input [outer, n, inner]. Stats layout (what ``gem`` saves for
+``gem_backward``): a tensor of the accumulation dtype and shape
+``[outer, inner, 3]``:
 
-- ``stats[0]``: m, the largest clamped kept entry (0 for an empty reduction,
+- ``[..., 0]``: m, the largest clamped kept entry (0 for an empty reduction,
   +inf with a +inf entry, NaN with a NaN entry);
-- ``stats[1]``: mean, the mean of r^p over the kept entries (0 when empty,
+- ``[..., 1]``: mean, the mean of r^p over the kept entries (0 when empty,
   else in [1/n, 1] or NaN);
-- ``stats[2]``: count, the number n of kept entries (exact up to 2^24 in float32).
-
-Not registered with torch.library yet: plain functions.
+- ``[..., 2]``: count, the number n of kept entries (exact up to 2^24 in float32).
 """
 
 import math
 
 import torch
 
+from .._checks import acc_dtype
+from .._gem_checks import check_gem, check_gem_backward
+
 INF = float("inf")
 GEM_MIN_P = 1e-2
 GEM_MAX_P = 1e2
-
-
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def gem_tiny(dtype):
@@ -145,17 +143,20 @@ def gem_input_grad(g, x, eps, m, mean, count, p):
     return torch.where(live, g * w, 0.0)
 
 
+def gem_divergence_coefficient(k):
+    """c_k = 1 / (k! (k + 2)), the coefficients of h's series."""
+    return 1.0 / (math.factorial(k) * (k + 2))
+
+
 def gem_divergence_h(s):
     """h(s) = 1 + (s - 1) e^s = t log t - t + 1 at t = e^s (>= 0): the series
-    s^2 * sum_k s^k / (k! (k + 2)) for |s| <= 1 (no cancellation beyond about
-    a bit), the closed form beyond (at most 1.73 / 0.26 lost, at s = -1)."""
-    terms = 17 if s.dtype == torch.float64 else 10
-    term = torch.ones_like(s)
-    total = torch.full_like(s, 0.5)
-    for k in range(1, terms + 1):
-        term = term * (s / k)
-        total = total + term / (k + 2)
-    series = s * s * total
+    s^2 * sum_k c_k s^k by Horner's rule for |s| <= 1 (no cancellation beyond
+    about a bit), the closed form beyond (at most 1.73 / 0.26 lost, at s = -1)."""
+    last = 17 if s.dtype == torch.float64 else 10
+    poly = torch.full_like(s, gem_divergence_coefficient(last))
+    for k in range(last - 1, -1, -1):
+        poly = gem_divergence_coefficient(k) + s * poly
+    series = s * s * poly
     # s <= log n, so e^s is finite; a very negative s underflows it to 0: h = 1,
     # the limit. A NaN s fails the test and takes the closed form (NaN).
     closed = 1.0 + (s - 1.0) * torch.exp(s)
@@ -184,146 +185,78 @@ def gem_saturate(x, dtype):
     return x.clamp(-big, big)
 
 
-# -- layout -----------------------------------------------------------------
+# -- the ops -----------------------------------------------------------------
 
 
-def _dims(dim, ndim):
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    n = max(ndim, 1)
-    out = []
-    for d in dims:
-        if not -n <= d < n:
-            raise IndexError(f"nanfree.gem: `dim` {d} is out of range for a {ndim}-d input")
-        out.append(d % n)
-    if len(set(out)) != len(out):
-        raise ValueError(f"nanfree.gem: `dim` {dim} repeats a dimension")
-    return tuple(sorted(out))
-
-
-def _to_rows(t, dims):
-    """t viewed as [*kept, N] with the reduced dims flattened last."""
-    if t.dim() == 0:
-        return t.reshape(1)
-    kept = [d for d in range(t.dim()) if d not in dims]
-    t = t.permute(*kept, *dims)
-    return t.reshape(*t.shape[:len(kept)], -1)
-
-
-def _from_rows(rows, shape, dims):
-    """The inverse of _to_rows for a tensor of `shape`."""
-    if len(shape) == 0:
-        return rows.reshape(())
-    kept = [d for d in range(len(shape)) if d not in dims]
-    perm = kept + list(dims)
-    t = rows.reshape([shape[d] for d in perm])
-    return t.permute(*[perm.index(d) for d in range(len(shape))])
-
-
-def _keep_mask(mask, input, dims):
-    if mask is None:
-        return None
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError("nanfree.gem: `mask` must be bool or integer, got " + str(mask.dtype))
-    keep = mask if mask.dtype == torch.bool else mask != 0
-    return _to_rows(keep.expand(input.shape), dims)
-
-
-def _p_value(p, acc):
-    """(p as an acc tensor broadcastable over rows, whether p is a tensor)."""
-    if isinstance(p, torch.Tensor):
-        if p.numel() != 1 or p.dim() > 1:
-            raise ValueError(f"nanfree.gem: a tensor `p` must have shape [] or [1], got {list(p.shape)}")
-        # Clamped in float32 (p is used in float32 whatever the input dtype;
-        # the bounds are float32's 1e-2 and 1e2), then widened for float64 inputs.
-        return gem_clamp_p(p.detach().float().reshape(())).to(acc), True
-    p = float(p)
-    if not (math.isfinite(p) and p > 0):
-        raise ValueError(f"nanfree.gem: `p` must be finite and > 0, got {p}")
-    return torch.tensor(p, dtype=acc), False
+def gem_p_acc(p, p_value, acc, device):
+    """p as a 0-d tensor of the accumulation dtype: a tensor p clamped
+    (gem_clamp_p), a Python p as is."""
+    if p is None:
+        return torch.tensor(p_value, dtype=acc, device=device)
+    return gem_clamp_p(p.detach().reshape(()).to(acc))
 
 
 def _reduce_state(x, eps, keep, p):
-    """(c, m, mean, count) over the last dim of x ([*kept, N], acc dtype)."""
+    """(c, m, mean, count) over dim 1 of x ([outer, n, inner], acc dtype), kept dims."""
     c = clamp_to_eps(x, eps)
     if keep is not None:
         c = torch.where(keep, c, 0.0)  # below every clamped entry: out of the max
-    if x.shape[-1] == 0:
-        shape = x.shape[:-1] + (1,)
-        zeros = x.new_zeros(shape)
+    if x.shape[1] == 0:
+        zeros = x.new_zeros((x.shape[0], 1, x.shape[2]))
         return c, zeros, zeros, zeros
-    m = gem_max_update(c, -1)
+    m = gem_max_update(c, 1)
     rp = gem_ratio_power(c, m, p)
     if keep is not None:
         rp = torch.where(keep, rp, 0.0)
-        count = keep.sum(dim=-1, keepdim=True).to(x.dtype)
+        count = keep.sum(dim=1, keepdim=True).to(x.dtype)
     else:
-        count = torch.full_like(m, x.shape[-1])
-    mean = gem_mean(rp.sum(dim=-1, keepdim=True), count)
+        count = torch.full_like(m, x.shape[1])
+    mean = gem_mean(rp.sum(dim=1, keepdim=True), count)
     return c, m, mean, count
 
 
-def gem(input, p=3.0, dim=-1, eps=1e-6, keepdim=False, mask=None):
-    """(output, stats): mean(max(x, eps)^p)^(1/p) over `dim` (int or tuple) of
-    the kept entries. See the module docstring for the stats layout."""
-    if input.dtype.is_floating_point is False:
-        raise TypeError(f"nanfree.gem: `input` must be a floating tensor, got {input.dtype}")
-    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"nanfree.gem: `eps` must be finite and > 0, got {eps}")
-    acc = _acc_dtype(input.dtype)
-    dims = _dims(dim, input.dim())
-    pv, _ = _p_value(p, acc)
-    pv = pv.to(input.device)
+def gem(input, p, p_value, eps, mask=None):
+    """(output [outer, inner], stats [outer, inner, 3]) of the op nanfree::gem."""
+    check_gem(input, p, p_value, eps, mask)
+    acc = acc_dtype(input.dtype)
+    pv = gem_p_acc(p, p_value, acc, input.device)
     eps_a = gem_effective_eps(float(eps), acc)
-    x = _to_rows(input.to(acc), dims)
-    keep = _keep_mask(mask, input, dims)
-    _, m, mean, count = _reduce_state(x, eps_a, keep, pv)
-    out = gem_value(m, mean, pv).squeeze(-1)
-    stats = torch.stack([m.squeeze(-1), mean.squeeze(-1), count.squeeze(-1)])
-    if keepdim:
-        shape = [1 if d in dims else s for d, s in enumerate(input.shape)]
-        out = out.reshape(shape)
-    return out.to(input.dtype).contiguous(), stats
+    x = input.to(acc)
+    _, m, mean, count = _reduce_state(x, eps_a, mask, pv)
+    out = gem_value(m, mean, pv).squeeze(1)
+    stats = torch.stack([m.squeeze(1), mean.squeeze(1), count.squeeze(1)], dim=-1)
+    return out.to(input.dtype), stats
 
 
-def gem_backward(grad_output, input, p, output, stats, dim=-1, eps=1e-6, keepdim=False,
-                 mask=None):
-    """(grad_input, grad_p) of ``gem``: grad_input has input's shape and dtype;
-    grad_p has p's shape and dtype when p is a tensor (0 where p is outside
-    the clamp), else None."""
-    acc = _acc_dtype(input.dtype)
-    dims = _dims(dim, input.dim())
-    pv, p_is_tensor = _p_value(p, acc)
-    pv = pv.to(input.device)
+def gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad):
+    """(grad_input, grad_p) of the op nanfree::gem_backward: grad_p is the 0-d
+    sum over reductions of d gem / d p (acc dtype) when p_grad, else empty [0]."""
+    check_gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad)
+    acc = acc_dtype(input.dtype)
+    pv = gem_p_acc(p, p_value, acc, input.device)
     eps_a = gem_effective_eps(float(eps), acc)
-    m, mean, count = (s.unsqueeze(-1) for s in stats.to(acc))
-    x = _to_rows(input.to(acc), dims)
-    keep = _keep_mask(mask, input, dims)
-    kept_shape = stats.shape[1:]
-    g = grad_output.to(acc).reshape(kept_shape).unsqueeze(-1)
+    m, mean, count = (s.unsqueeze(1) for s in stats.unbind(-1))
+    x = input.to(acc)
+    g = grad_output.to(acc).unsqueeze(1)
+    dx = gem_input_grad(g, x, eps_a, m, mean, count, pv)
+    if mask is not None:
+        dx = torch.where(mask, dx, 0.0)  # a masked entry gets 0, even NaN or inf
+    grad_input = gem_saturate(dx, input.dtype).to(input.dtype)
+    if not p_grad:
+        return grad_input, input.new_empty((0,), dtype=acc)
     # gem in the accumulation type from the stats, not the output rounded to
     # fp16/bf16 (whose rounding would enter p's gradient).
     gem_out = gem_value(m, mean, pv)
-    dx = gem_input_grad(g, x, eps_a, m, mean, count, pv)
-    if keep is not None:
-        dx = torch.where(keep, dx, 0.0)  # a masked entry gets 0, even NaN or inf
-    grad_input = _from_rows(gem_saturate(dx, input.dtype), input.shape, dims)
-    grad_input = grad_input.to(input.dtype).contiguous()
-    if not p_is_tensor:
-        return grad_input, None
-    c = clamp_to_eps(x, eps_a)
-    if x.shape[-1] == 0:
+    if x.shape[1] == 0:
         divergence = torch.zeros_like(m)
     else:
         live = gem_has_gradient(m, count)
         # Reductions without gradient (empty: m = 0, mean = 0; +inf: m = +inf)
         # get m = 1 and log(mean) = 0 here, so their unused terms stay finite.
         log_mean = torch.log(torch.where(live, mean, 1.0))
-        term = gem_divergence_term(c, torch.where(live, m, 1.0), log_mean, pv)
-        if keep is not None:
-            term = torch.where(keep, term, 0.0)
-        divergence = gem_mean(term.sum(dim=-1, keepdim=True), count)
+        term = gem_divergence_term(clamp_to_eps(x, eps_a), torch.where(live, m, 1.0), log_mean, pv)
+        if mask is not None:
+            term = torch.where(mask, term, 0.0)
+        divergence = gem_mean(term.sum(dim=1, keepdim=True), count)
     dp = gem_p_grad(g, gem_out, m, count, divergence, pv).sum()
-    p_raw = p.detach().float().reshape(())
-    dp = torch.where(gem_p_in_range(p_raw), dp, 0.0)
-    dp = gem_saturate(dp, p.dtype)
-    return grad_input, dp.to(p.dtype).reshape(p.shape)
+    return grad_input, dp

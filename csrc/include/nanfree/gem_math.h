@@ -17,8 +17,9 @@
 // - An empty reduction (no kept entry): gem 0, every gradient 0.
 // - A kept +inf entry: gem +inf (the exact limit), every gradient 0 (the limit
 //   is locally constant in x and p).
-// - A kept NaN entry: its reduction's gem, its kept entries' gradients and the
-//   gradient of p are NaN; masked entries always get gradient 0.
+// - A kept NaN entry: its reduction's gem, its unclamped kept entries'
+//   gradients and the gradient of p are NaN; clamped entries (at or below eps,
+//   as torch.clamp's) and masked entries always get gradient 0.
 // - A tensor p is clamped to [1e-2, 1e2] (gem_clamp_p); its gradient is 0
 //   outside and at the bounds (gem_p_in_range), as torch.clamp's.
 //
@@ -62,9 +63,9 @@ NF_HOST_DEVICE T gem_big() {
   return std::numeric_limits<T>::max();
 }
 
-// A tensor p clamped to [1e-2, 1e2], called with T = float (p is used in
-// float32 whatever the input dtype, then widened for a float64 input), so a
-// p of float(0.01) is at the bound for every input dtype. NaN stays NaN.
+// A tensor p clamped to [1e-2, 1e2] in the accumulation type (float32 for
+// fp16/bf16/fp32 inputs, float64 for float64 ones, where a float32 p of
+// 0.01f = 0.0099999998 is below the bound). NaN stays NaN.
 template <typename T>
 NF_HOST_DEVICE T gem_clamp_p(T p) {
   return p < T(kGemMinP) ? T(kGemMinP) : (p > T(kGemMaxP) ? T(kGemMaxP) : p);
@@ -137,6 +138,26 @@ NF_HOST_DEVICE T gem_ratio_power(T c, T m, T p) {
   return nf_exp(p * (nf_log(c) - nf_log(m)));
 }
 
+// The sum of ratio powers S = sum (c_i / m_old)^p re-expressed against a new,
+// larger maximum m_new: S * (m_old / m_new)^p, for kernels that keep a running
+// (maximum, sum) state in one pass or merge partial states. m_old = 0 (the
+// empty state) gives 0; m_old = m_new gives S; m_new = +inf gives 0 unless
+// m_old is +inf too (the limit ratio's power); a NaN maximum stays NaN.
+template <typename T>
+NF_HOST_DEVICE T gem_rescale_sum(T sum, T m_old, T m_new, T p) {
+  if (m_old == m_new) return sum;  // also both +inf (inf / inf would be NaN)
+  return sum * gem_ratio_power(m_old, m_new, p);
+}
+
+// Two partial states (m1, s1) and (m2, s2) of one reduction merged into
+// (m, s) = (max(m1, m2), s1 (m1/m)^p + s2 (m2/m)^p); NaN is sticky.
+template <typename T>
+NF_HOST_DEVICE void gem_merge(T& m1, T& s1, T m2, T s2, T p) {
+  const T m = gem_max_update(m1, m2);
+  s1 = gem_rescale_sum(s1, m1, m, p) + gem_rescale_sum(s2, m2, m, p);
+  m1 = m;
+}
+
 // mean = sum / n; 0 for the empty set (0 / 0 would be NaN). Otherwise in
 // [1/n, 1] (the maximum contributes exactly 1), or NaN.
 template <typename T>
@@ -199,24 +220,38 @@ NF_HOST_DEVICE T gem_input_grad(T g, T x, T eps, T m, T mean, T count, T p) {
   return g * gem_input_grad_weight(clamp_to_eps(x, eps), m, mean, count, p);
 }
 
+// The coefficient c_k = 1 / (k! (k + 2)) of the series of h below.
+NF_HOST_DEVICE constexpr double gem_divergence_coefficient(int k) {
+  double factorial = 1.0;
+  for (int i = 2; i <= k; ++i) factorial *= i;
+  return 1.0 / (factorial * (k + 2));
+}
+
+// sum_{k=J..K} c_k s^(k-J) by Horner's rule: c_J + s * (c_(J+1) + s * (...)),
+// each coefficient a compile-time constant rounded once to T.
+template <typename T, int J, int K>
+NF_HOST_DEVICE T gem_divergence_horner(T s) {
+  constexpr double c = gem_divergence_coefficient(J);
+  if constexpr (J == K) {
+    return T(c);
+  } else {
+    return T(c) + s * gem_divergence_horner<T, J + 1, K>(s);
+  }
+}
+
 // h(s) = 1 + (s - 1) e^s = t log t - t + 1 at t = e^s: >= 0, 0 only at s = 0,
 // and s^2 / 2 + O(s^3) near it (the integral of t e^t from 0 to s). For
-// |s| <= 1 the series s^2 * sum_k s^k / (k! (k + 2)), truncated where the
-// first omitted term is below half an ulp of h (h(+-1) >= 1 - 2/e = 0.26):
-// its terms fall like 1/k!, and for s < 0 they alternate from 1/2 down to a
-// sum >= 0.26, so at most about one bit is lost. Beyond, the closed form,
-// whose terms (1 and |s - 1| e^s) exceed h by at most 1.73 / 0.26 (s = -1).
+// |s| <= 1 the series s^2 * sum_k c_k s^k, c_k = 1 / (k! (k + 2)), by Horner's
+// rule, truncated where the first omitted term is below half an ulp of h
+// (h(+-1) >= 1 - 2/e = 0.26): its terms fall like 1/k!, and for s < 0 they
+// alternate from 1/2 down to a sum >= 0.26, so at most about one bit is lost.
+// Beyond, the closed form, whose terms (1 and |s - 1| e^s) exceed h by at most
+// 1.73 / 0.26 (s = -1).
 template <typename T>
 NF_HOST_DEVICE T gem_divergence_h(T s) {
   if (s >= T(-1) && s <= T(1)) {
-    constexpr int kTerms = sizeof(T) > 4 ? 17 : 10;
-    T term = T(1);
-    T sum = T(0.5);
-    for (int k = 1; k <= kTerms; ++k) {
-      term *= s / T(k);
-      sum += term / T(k + 2);
-    }
-    return s * s * sum;
+    constexpr int kLastTerm = sizeof(T) > 4 ? 17 : 10;
+    return s * s * gem_divergence_horner<T, 0, kLastTerm>(s);
   }
   // A NaN s fails the test above and stays NaN here; s <= log n (t <= n), so
   // e^s is finite, and for a very negative s it underflows to 0: h = 1, the limit.
