@@ -58,6 +58,7 @@ from .._cosine_checks import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matri
                               per_vector_shape, stats_dtype, vector_rows)
 from . import common
 from .common import device_guard
+from .element_io import ieee_div, load_acc, store_rounded, widen
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # Row kernels: rows of at most MAX_FUSED_D entries are loaded once, in tiles of
@@ -80,16 +81,6 @@ GEMM_NUM_STAGES = 3
 # ---------------------------------------------------------------------------
 # Float helpers of the header (nf_sqrt, nf_ilogb, nf_ldexp, exponent range)
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _ieee_div(a, b):
-    """a / b rounded to nearest (C++ `/`): Triton's float32 `/` is approximate.
-    b is a tensor; a may be a Python float."""
-    if b.dtype == tl.float64:
-        return a / b
-    else:
-        return tl.div_rn(a, b)
 
 
 @triton.jit
@@ -214,11 +205,11 @@ def clamped_norm_factor(p, ssq, eps):
     """q with x / max(norm, eps) == scaled_entry(x, p) * q, given the vector's
     scale p and the sum of squares ssq of its scaled entries."""
     # Unit length: 1 / sqrt(ssq) (inf at ssq == 0, which the zero-vector rule replaces).
-    unit = _ieee_div(1.0, nf_sqrt(ssq))
+    unit = ieee_div(1.0, nf_sqrt(ssq))
     # The limit direction of an infinite vector: its scaled entries are +-1 and 0.
     # Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing by p (a power of
     # two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it finite.
-    q = tl.where((p == 0) | norm_at_least(p, ssq, eps), unit, _ieee_div(_ieee_div(1.0, eps), p))
+    q = tl.where((p == 0) | norm_at_least(p, ssq, eps), unit, ieee_div(ieee_div(1.0, eps), p))
     # A zero vector normalizes to 0 (0 / eps), and 1 / (eps * p) may overflow.
     q = tl.where(ssq == 0, 0.0, q)
     # A NaN entry: NaN (the comparisons above would be false and hide it).
@@ -233,7 +224,7 @@ def norm_grad_factor(p, ssq, eps):
     # Zero and infinite vectors: no gradient (the limit direction is locally constant).
     # Below eps the vector has no direction to differentiate: gradient 0.
     live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
-    g = tl.where(live, _ieee_div(1.0, nf_sqrt(ssq)), 0.0)
+    g = tl.where(live, ieee_div(1.0, nf_sqrt(ssq)), 0.0)
     # A NaN vector's gradient is NaN.
     return tl.where(ssq != ssq, ssq, g)
 
@@ -276,23 +267,6 @@ def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
 
 
 @triton.jit
-def _store(ptr, offs, x, mask):
-    """Stores x (in the accumulation dtype) at ptr + offs in ptr's dtype, rounded
-    to nearest even. bfloat16 is rounded and stored in its bits: Triton's
-    interpreter (3.8) truncates float32 -> bfloat16 and gets subnormals wrong
-    (outputs of vectors of 1e38 reach them); compiled, cvt.rn gives the same bits."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        xf = x.to(tl.float32)
-        bits = xf.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        # A NaN stays NaN (the rounding carry could turn a NaN payload into inf).
-        bits = tl.where(xf != xf, 0x7FC0, bits)
-        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bits.to(tl.uint16), mask=mask)
-    else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def saturate_gradient(x, out_max):
     # A gradient entry beyond the output type's largest finite value `out_max`
     # (float16: a vector of norm at least eps but under 1.5e-5 has gradients
@@ -304,11 +278,11 @@ def saturate_gradient(x, out_max):
 def _store_gradient(ptr, offs, x, mask):
     """_store of a gradient: saturate_gradient to the largest finite value of ptr's dtype."""
     if ptr.dtype.element_ty == tl.float16:
-        _store(ptr, offs, saturate_gradient(x, 65504.0), mask)
+        store_rounded(ptr, offs, saturate_gradient(x, 65504.0), mask)
     elif ptr.dtype.element_ty == tl.bfloat16:
-        _store(ptr, offs, saturate_gradient(x, 3.3895313892515355e38), mask)
+        store_rounded(ptr, offs, saturate_gradient(x, 3.3895313892515355e38), mask)
     else:  # float32 and float64 gradients are computed in their own dtype
-        _store(ptr, offs, x, mask)
+        store_rounded(ptr, offs, x, mask)
 
 
 @triton.jit
@@ -339,26 +313,6 @@ def _tile_at(rows, in_row, start, d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _widen(ptr, offs, inside):
-    """The entries at ptr + offs (0 outside `inside`), bfloat16 read exactly:
-    from its bits, the upper half of a float32. Triton's interpreter (3.8)
-    converts bfloat16 subnormals to float32 wrongly (5.1e-39 reads as 8.8e-39),
-    and a vector of them must keep its direction; compiled, this is the same
-    conversion."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=inside, other=0)
-        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr + offs, mask=inside, other=0.0)
-
-
-@triton.jit
-def _load(ptr, offs, inside, ACC: tl.constexpr):
-    # 0 outside the problem: a 0 entry adds nothing to amax, ssq or a dot.
-    return _widen(ptr, offs, inside).to(ACC)
-
-
-@triton.jit
 def _eps_in(eps, ACC: tl.constexpr):
     """effective_eps of the op's eps (a float64 argument) in the accumulation dtype."""
     return effective_eps(tl.full([], eps, tl.float64).to(ACC))
@@ -375,7 +329,7 @@ def _vector_amax(x_ptr, rows, in_row, d, first, ACC: tl.constexpr, BLOCK_D: tl.c
         amax = tl.zeros([rows.shape[0]], dtype=ACC)
         for start in range(0, d, BLOCK_D):
             offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-            amax = _amax_combine(amax, _row_amax(_load(x_ptr, offs, inside, ACC)))
+            amax = _amax_combine(amax, _row_amax(load_acc(x_ptr, offs, inside, ACC)))
     return amax
 
 
@@ -392,7 +346,7 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
     rows, in_row = _row_block(n_rows, BLOCK_R)
     eps = _eps_in(eps, ACC)
     offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
-    x = _load(x_ptr, offs, inside, ACC)  # the whole row when SINGLE_BLOCK
+    x = load_acc(x_ptr, offs, inside, ACC)  # the whole row when SINGLE_BLOCK
     p = norm_scale(_vector_amax(x_ptr, rows, in_row, d, x, ACC, BLOCK_D, SINGLE_BLOCK))
     pc = p[:, None]
     if SINGLE_BLOCK:
@@ -402,7 +356,7 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
         partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
         for start in range(0, d, BLOCK_D):
             o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
-            sb = scaled_entry(_load(x_ptr, o, inn, ACC), pc)
+            sb = scaled_entry(load_acc(x_ptr, o, inn, ACC), pc)
             partial += sb * sb
         ssq = tl.sum(partial, axis=1)
     q = clamped_norm_factor(p, ssq, eps)
@@ -410,12 +364,12 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
     tl.store(stats_ptr + rows * 2 + 1, norm_grad_factor(p, ssq, eps), mask=in_row)
     qc = q[:, None]
     if SINGLE_BLOCK:
-        _store(y_ptr, offs, s * qc, inside)
+        store_rounded(y_ptr, offs, s * qc, inside)
     else:
         for start in range(0, d, BLOCK_D):
             o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
-            sb = scaled_entry(_load(x_ptr, o, inn, ACC), pc)
-            _store(y_ptr, o, sb * qc, inn)
+            sb = scaled_entry(load_acc(x_ptr, o, inn, ACC), pc)
+            store_rounded(y_ptr, o, sb * qc, inn)
 
 
 @triton.jit
@@ -428,8 +382,8 @@ def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
     grad_factor = tl.load(stats_ptr + rows * 2 + 1, mask=in_row, other=0.0)[:, None]
     if SINGLE_BLOCK:
         offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
-        g = _load(go_ptr, offs, inside, ACC)
-        y = _load(y_ptr, offs, inside, ACC)
+        g = load_acc(go_ptr, offs, inside, ACC)
+        y = load_acc(y_ptr, offs, inside, ACC)
         dot = tl.sum(g * y, axis=1)[:, None]
         grad = normalize_grad_value(g, y, dot, p, grad_factor)
         _store_gradient(gi_ptr, offs, grad, inside)
@@ -437,12 +391,12 @@ def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
         partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
         for start in range(0, d, BLOCK_D):
             offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-            partial += _load(go_ptr, offs, inside, ACC) * _load(y_ptr, offs, inside, ACC)
+            partial += load_acc(go_ptr, offs, inside, ACC) * load_acc(y_ptr, offs, inside, ACC)
         dot = tl.sum(partial, axis=1)[:, None]
         for start in range(0, d, BLOCK_D):
             offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-            g = _load(go_ptr, offs, inside, ACC)
-            y = _load(y_ptr, offs, inside, ACC)
+            g = load_acc(go_ptr, offs, inside, ACC)
+            y = load_acc(y_ptr, offs, inside, ACC)
             grad = normalize_grad_value(g, y, dot, p, grad_factor)
             _store_gradient(gi_ptr, offs, grad, inside)
 
@@ -454,8 +408,8 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
     rows, in_row = _row_block(n_rows, BLOCK_R)
     eps = _eps_in(eps, ACC)
     offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
-    a = _load(x1_ptr, offs, inside, ACC)  # the whole rows when SINGLE_BLOCK
-    b = _load(x2_ptr, offs, inside, ACC)
+    a = load_acc(x1_ptr, offs, inside, ACC)  # the whole rows when SINGLE_BLOCK
+    b = load_acc(x2_ptr, offs, inside, ACC)
     p1 = norm_scale(_vector_amax(x1_ptr, rows, in_row, d, a, ACC, BLOCK_D, SINGLE_BLOCK))
     p2 = norm_scale(_vector_amax(x2_ptr, rows, in_row, d, b, ACC, BLOCK_D, SINGLE_BLOCK))
     p1c, p2c = p1[:, None], p2[:, None]
@@ -471,8 +425,8 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
         part12 = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
         for start in range(0, d, BLOCK_D):
             o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
-            s1 = scaled_entry(_load(x1_ptr, o, inn, ACC), p1c)
-            s2 = scaled_entry(_load(x2_ptr, o, inn, ACC), p2c)
+            s1 = scaled_entry(load_acc(x1_ptr, o, inn, ACC), p1c)
+            s2 = scaled_entry(load_acc(x2_ptr, o, inn, ACC), p2c)
             part1 += s1 * s1
             part2 += s2 * s2
             part12 += s1 * s2
@@ -482,7 +436,7 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
     q1 = clamped_norm_factor(p1, ssq1, eps)
     q2 = clamped_norm_factor(p2, ssq2, eps)
     c = cosine_value(dot, q1, q2)
-    _store(out_ptr, rows, c, in_row)
+    store_rounded(out_ptr, rows, c, in_row)
     st = stats_ptr + rows * 6
     tl.store(st, p1, mask=in_row)
     tl.store(st + 1, q1, mask=in_row)
@@ -511,8 +465,8 @@ def _cosine_backward_kernel(go_ptr, x1_ptr, x2_ptr, c_ptr, stats_ptr, g1_ptr, g2
     c = tl.load(c_ptr + rows, mask=in_row, other=0.0).to(ACC)[:, None]
     for start in range(0, d, BLOCK_D):
         offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-        v1 = scaled_entry(_load(x1_ptr, offs, inside, ACC), p1) * q1
-        v2 = scaled_entry(_load(x2_ptr, offs, inside, ACC), p2) * q2
+        v1 = scaled_entry(load_acc(x1_ptr, offs, inside, ACC), p1) * q1
+        v2 = scaled_entry(load_acc(x2_ptr, offs, inside, ACC), p2) * q2
         _store_gradient(g1_ptr, offs, cosine_grad_value(g, v1, v2, c, p1, gf1), inside)
         _store_gradient(g2_ptr, offs, cosine_grad_value(g, v2, v1, c, p2, gf2), inside)
 
@@ -558,8 +512,8 @@ def _cos_sim_matrix_kernel(a_ptr, b_ptr, out_ptr, n_rows, n_cols, d,
         a_in = (rn[:, None] < n_rows) & k_in[None, :]
         b_in = k_in[:, None] & (rm[None, :] < n_cols)
         if DOT_IN_ACC:
-            a = _widen(a_tile, 0, a_in).to(ACC)
-            b = _widen(b_tile, 0, b_in).to(ACC)
+            a = widen(a_tile, 0, a_in).to(ACC)
+            b = widen(b_tile, 0, b_in).to(ACC)
         else:
             a = tl.load(a_tile, mask=a_in, other=0.0)
             b = tl.load(b_tile, mask=b_in, other=0.0)
@@ -568,7 +522,7 @@ def _cos_sim_matrix_kernel(a_ptr, b_ptr, out_ptr, n_rows, n_cols, d,
         b_tile += BLOCK_K * stride_b1
     c = cosine_clamp(acc)
     inside = (rn[:, None] < n_rows) & (rm[None, :] < n_cols)
-    _store(out_ptr, rn[:, None] * n_cols + rm[None, :], c, inside)
+    store_rounded(out_ptr, rn[:, None] * n_cols + rm[None, :], c, inside)
 
 
 # ---------------------------------------------------------------------------
