@@ -1,0 +1,95 @@
+// CUDA registration of GeM pooling (the ops gem and gem_backward of
+// registration.cpp). The argument checks, output allocation and
+// [outer, n, inner] view are shared with the CPU binding
+// (csrc/common/gem_op.h); the kernels live in the torch-free gem_kernels.cu
+// behind the launchers of gem_kernels.h. A tensor p stays on the device (the
+// kernels read and clamp it), so nothing here waits for the GPU.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/gem_op.h"
+#include "cuda/aten_device_types.h"
+#include "cuda/gem_kernels.h"
+
+namespace nanfree {
+namespace {
+
+gpu::GemLayout layout_of(const GemShape& shape) {
+  return gpu::GemLayout{shape.outer, shape.n, shape.inner};
+}
+
+// The mask's data and strides (any strides, 0 for broadcast dims); no data without a mask.
+gpu::GemMaskView mask_view(const at::Tensor& mask) {
+  if (!mask.defined()) return gpu::GemMaskView{nullptr, 0, 0, 0};
+  const GemMaskStrides strides = gem_mask_strides(mask);
+  return gpu::GemMaskView{mask.const_data_ptr<bool>(), strides.outer, strides.n, strides.inner};
+}
+
+// The tensor p (accumulation dtype, 0-d) as a device pointer, nullptr for a Python p.
+template <typename acc_t>
+const acc_t* p_pointer(const at::Tensor& p) {
+  return p.defined() ? p.const_data_ptr<acc_t>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor> gem(const at::Tensor& input, const std::optional<at::Tensor>& p,
+                                       double p_value, double eps,
+                                       const std::optional<at::Tensor>& mask) {
+  // Not a CUDAGuard: with a CPU input (mixed devices) it would throw before
+  // the checks of prepare_gem can name the argument.
+  const c10::OptionalDeviceGuard device_guard(input.device());
+  GemArgs args = prepare_gem(input, p, p_value, eps, mask);
+  if (args.shape.reductions() == 0) return {args.output, args.stats};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
+                                  "nanfree_gem_cuda", [&] {
+    using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
+    C10_CUDA_CHECK(gpu::gem_forward(device_ptr<scalar_t>(args.input), layout_of(args.shape),
+                                    mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
+                                    args.eps, mutable_device_ptr<scalar_t>(args.output),
+                                    args.stats.mutable_data_ptr<acc_t>(), stream));
+  });
+  return {args.output, args.stats};
+}
+
+std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at::Tensor& input,
+                                                const std::optional<at::Tensor>& p,
+                                                double p_value, const at::Tensor& stats,
+                                                double eps, const std::optional<at::Tensor>& mask,
+                                                bool p_grad) {
+  const c10::OptionalDeviceGuard device_guard(input.device());  // as in gem
+  GemBackwardArgs args = prepare_gem_backward(grad, input, p, p_value, stats, eps, mask, p_grad);
+  // The per-block partial sums of p's gradient (added in a fixed order by
+  // the launcher into grad_p, which it writes also when there is no entry).
+  const at::Tensor partials =
+      args.p_grad ? at::empty({gpu::kGemMaxPartials}, args.grad_p.options()) : at::Tensor();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
+                                  "nanfree_gem_backward_cuda", [&] {
+    using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
+    acc_t* grad_p = args.p_grad ? args.grad_p.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* partial_sums = args.p_grad ? partials.mutable_data_ptr<acc_t>() : nullptr;
+    C10_CUDA_CHECK(gpu::gem_backward(
+        device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.input), layout_of(args.shape),
+        mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
+        args.stats.const_data_ptr<acc_t>(), args.eps,
+        mutable_device_ptr<scalar_t>(args.grad_input), grad_p, partial_sums,
+        stream));
+  });
+  return {args.grad_input, args.grad_p};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+  m.impl("gem", &gem);
+  m.impl("gem_backward", &gem_backward);
+}
+
+}  // namespace nanfree
