@@ -18,21 +18,22 @@ import torch
 P_MIN, P_MAX = 1e-2, 1e2
 
 
-def p_used(p):
-    """The p the op computes with: a tensor is clamped, a float is taken as is."""
+def p_used(p, acc=torch.float32):
+    """The p the op computes with: a tensor is clamped in the op's accumulation
+    dtype `acc` (float32 for fp16/bf16/fp32 inputs, float64 for float64 ones;
+    float32's bound 1e-2 is 0.0099999998), a float is taken as is."""
     if isinstance(p, torch.Tensor):
-        # In float32, as the op (p is used in float32, bounds included).
-        return torch.clamp(p.float().reshape(()), P_MIN, P_MAX).double()
+        return torch.clamp(p.to(acc).reshape(()), P_MIN, P_MAX).double()
     return torch.tensor(float(p), dtype=torch.float64)
 
 
-def gem(x, p, dim, eps, mask=None):
+def gem(x, p, dim, eps, mask=None, acc=torch.float32):
     """gem over `dim` (int or tuple) of float64 x, differentiable in x and a tensor p.
     Returns the output (keepdim=False) with the special rows' rules applied."""
     x = x.to(torch.float64)
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else (mask != 0).expand(x.shape)
-    pv = p_used(p)
+    pv = p_used(p, acc)
     c = torch.clamp(x, min=eps)
     # Special entries are kept out of the formula (their rows are overridden
     # below), so they put no NaN into the autograd graph of the other rows.

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from error_checks import raises_before_any_kernel
 
 import nanfree.ops as nf
 
@@ -16,34 +16,6 @@ NON_FLOAT = [torch.int64, torch.int32, torch.bool, torch.complex64]
 # Other devices than the CPU a tensor can be on here: "meta" always (no data),
 # "cuda" with a GPU.
 OTHER_DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-# Ops that only look at metadata or make a view or a cast; anything else (a
-# nanfree op above all) is a kernel that ran before the error.
-_NO_KERNEL = ("aten.promote_types.", "aten.expand.", "aten.permute.", "aten.view.",
-              "aten.unsqueeze.", "aten.alias.", "aten.detach.", "aten._to_copy.",
-              "aten.movedim.", "aten.t.", "aten.reshape.")
-
-
-class _Recorder(TorchDispatchMode):
-    """Records the name of every op that reaches the dispatcher's Python key and
-    returns (an op whose own argument checks raise is not recorded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func))
-        return out
-
-
-def _raises_before_any_kernel(exception, match, fn, *args, **kwargs):
-    with _Recorder() as recorder, pytest.raises(exception, match=match):
-        fn(*args, **kwargs)
-    kernels = [op for op in recorder.ops if not op.startswith(_NO_KERNEL)]
-    assert not kernels, f"ran {kernels} before raising"
 
 
 def _call(op, first, second=None, **kwargs):
@@ -77,7 +49,7 @@ def test_non_float_input(op, position, dtype):
     tensors = [torch.randn(2, 3), torch.randn(2, 3)][:len(TENSOR_ARGS[op])]
     tensors[position] = tensors[position].to(dtype)
     name = TENSOR_ARGS[op][position]
-    _raises_before_any_kernel(TypeError,
+    raises_before_any_kernel(TypeError,
                               rf"nanfree\.{_op_name(op)}: `{name}` must be float16, bfloat16, "
                               rf"float32 or float64, got", _call, op, *tensors)
 
@@ -104,7 +76,7 @@ def test_cosine_similarity_shapes_that_do_not_broadcast(shapes):
     x1, x2 = torch.randn(shapes[0]), torch.randn(shapes[1])
     match = (rf"nanfree\.cosine_similarity: `x1` of shape {re.escape(str(list(shapes[0])))} and "
              rf"`x2` of shape {re.escape(str(list(shapes[1])))} do not broadcast")
-    _raises_before_any_kernel(ValueError, match, nf.cosine_similarity, x1, x2, -1)
+    raises_before_any_kernel(ValueError, match, nf.cosine_similarity, x1, x2, -1)
 
 
 @pytest.mark.parametrize("dim", [2, -3, 5])
@@ -121,7 +93,7 @@ def test_cosine_similarity_dim_out_of_range(dim):
 @pytest.mark.parametrize("op", ["normalize", "normalize p=3"])
 @pytest.mark.parametrize("dim", [2, -3, 5])
 def test_normalize_dim_out_of_range(op, dim):
-    _raises_before_any_kernel(IndexError, rf"nanfree\.normalize: `dim` {dim} is out of range",
+    raises_before_any_kernel(IndexError, rf"nanfree\.normalize: `dim` {dim} is out of range",
                               _call, op, torch.randn(2, 3), dim=dim)
 
 
@@ -146,7 +118,7 @@ def test_dim_of_wrong_type(op, dim):
     ((2, 3, 4), (2, 4), "a", 3), ((2, 4), (2, 3, 4), "b", 3), ((), (2, 4), "a", 0),
     ((2, 4), (), "b", 0)], ids=str)
 def test_cos_sim_needs_1d_or_2d(a_shape, b_shape, name, dims):
-    _raises_before_any_kernel(ValueError, rf"nanfree\.cos_sim: `{name}` must be 1-D or 2-D, got "
+    raises_before_any_kernel(ValueError, rf"nanfree\.cos_sim: `{name}` must be 1-D or 2-D, got "
                               rf"{dims} dimensions", nf.cos_sim, torch.randn(a_shape),
                               torch.randn(b_shape))
 
@@ -154,7 +126,7 @@ def test_cos_sim_needs_1d_or_2d(a_shape, b_shape, name, dims):
 @pytest.mark.parametrize("a_shape,b_shape", [((2, 3), (2, 4)), ((3,), (2, 4)), ((2, 3), (4,))],
                          ids=str)
 def test_cos_sim_vector_lengths_differ(a_shape, b_shape):
-    _raises_before_any_kernel(ValueError, rf"nanfree\.cos_sim: `a` has vectors of {a_shape[-1]} "
+    raises_before_any_kernel(ValueError, rf"nanfree\.cos_sim: `a` has vectors of {a_shape[-1]} "
                               rf"entries but `b` of {b_shape[-1]}", nf.cos_sim,
                               torch.randn(a_shape), torch.randn(b_shape))
 
@@ -173,7 +145,7 @@ def test_mixed_devices(other, op, position):
         match = rf"nanfree\.{op}: `{second}` is on {other}\S* but `{first}` is on cpu"
     else:
         match = rf"nanfree\.{op}: `{second}` is on cpu but `{first}` is on {other}"
-    _raises_before_any_kernel(ValueError, match, _call, op, *tensors)
+    raises_before_any_kernel(ValueError, match, _call, op, *tensors)
 
 
 @pytest.mark.parametrize("op", ["cosine_similarity", "cos_sim", "normalize"])
@@ -199,7 +171,7 @@ def test_meta_tensors_give_shapes_and_dtypes(op):
 @pytest.mark.parametrize("op", ["cosine_similarity", "normalize", "normalize p=3"])
 @pytest.mark.parametrize("eps", [0.0, -1e-8, 0, float("inf"), float("nan")])
 def test_eps_not_positive_and_finite(op, eps):
-    _raises_before_any_kernel(ValueError, rf"nanfree\.{_op_name(op)}: `eps` must be positive and "
+    raises_before_any_kernel(ValueError, rf"nanfree\.{_op_name(op)}: `eps` must be positive and "
                               "finite", _call, op, torch.randn(2, 3), torch.randn(2, 3), eps=eps)
 
 
@@ -212,7 +184,7 @@ def test_eps_of_wrong_type(op):
 @pytest.mark.backend_independent  # checked in Python before anything else
 @pytest.mark.parametrize("p", [0, 0.0, -1.0, -float("inf"), float("nan")])
 def test_normalize_p_not_positive(p):
-    _raises_before_any_kernel(ValueError, r"nanfree\.normalize: `p` must be positive",
+    raises_before_any_kernel(ValueError, r"nanfree\.normalize: `p` must be positive",
                               nf.normalize, torch.randn(2, 3), p)
 
 
@@ -273,7 +245,7 @@ def test_op_level_dtypes(dtype):
         (OPS.cos_sim_matrix, (out[0], bad[0]), "cos_sim_matrix", "b"),
     ]
     for op, args, name, arg in cases:
-        _raises_before_any_kernel(TypeError, rf"nanfree\.{name}: `{arg}` {float_message}", op,
+        raises_before_any_kernel(TypeError, rf"nanfree\.{name}: `{arg}` {float_message}", op,
                                   *args)
 
 
@@ -289,7 +261,7 @@ def test_op_level_mixed_float_dtypes():
         (OPS.cos_sim_matrix, (out[0], out[0].double()), r"cos_sim_matrix: `b` dtype"),
     ]
     for op, args, match in cases:
-        _raises_before_any_kernel(TypeError, r"nanfree\." + match + r" \S+ differs from", op,
+        raises_before_any_kernel(TypeError, r"nanfree\." + match + r" \S+ differs from", op,
                                   *args)
 
 
@@ -325,15 +297,15 @@ def test_op_level_shapes():
          r"cos_sim_matrix: `a` and `b` must be \[N, d\] and \[M, d\], got \[2, 3, 4\]"),
     ]
     for op, args, match in cases:
-        _raises_before_any_kernel(ValueError, r"nanfree\." + match, op, *args)
+        raises_before_any_kernel(ValueError, r"nanfree\." + match, op, *args)
 
 
 @pytest.mark.parametrize("eps", [0.0, -1.0, float("inf"), float("nan")])
 def test_op_level_eps(eps):
     x, y, *_ = _forward_results()
-    _raises_before_any_kernel(ValueError, r"nanfree\.normalize: `eps` must be positive and finite",
+    raises_before_any_kernel(ValueError, r"nanfree\.normalize: `eps` must be positive and finite",
                               OPS.normalize, x, eps)
-    _raises_before_any_kernel(ValueError,
+    raises_before_any_kernel(ValueError,
                               r"nanfree\.cosine_similarity: `eps` must be positive and finite",
                               OPS.cosine_similarity, x, y, eps)
 
@@ -356,7 +328,7 @@ def test_op_level_devices(other):
          rf"cos_sim_matrix: `b` is on {other}\S* but `a` is on cpu"),
     ]
     for op, args, match in cases:
-        _raises_before_any_kernel(ValueError, r"nanfree\." + match, op, *args)
+        raises_before_any_kernel(ValueError, r"nanfree\." + match, op, *args)
 
 
 @pytest.mark.backend_independent  # the dispatcher's own check of the schema
