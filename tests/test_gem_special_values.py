@@ -498,3 +498,24 @@ def test_p_grad_sweep_at_most_twice_torch(kind, dtype, device):
                     "_KNOWN_GEM_FORWARD_LIMITED")
     if known:
         pytest.xfail("gem's forward rounding (mean^(1/p)), not D: " + "; ".join(known))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_p_grad_sum_saturates_never_nan(dtype, device):
+    # 64 reductions whose p-gradient terms are each near the type's largest
+    # value (rows [m, m / 10] with m near finfo.max, p just above the clamp):
+    # their sum passes the range. It must saturate, and terms of both signs
+    # must cancel, never meet as inf - inf = NaN.
+    m = 0.9 * torch.finfo(dtype).max
+    x = torch.tensor([m, m / 10], dtype=dtype).repeat(64, 1)
+    p = torch.tensor([0.0125], dtype=dtype, device=device, requires_grad=True)
+    signs = {"all positive": torch.ones(64), "balanced": torch.cat([torch.ones(32), -torch.ones(32)]),
+             "more negative": torch.cat([torch.ones(24), -torch.ones(40)])}
+    expected = {"all positive": torch.finfo(dtype).max, "balanced": 0.0,
+                "more negative": -torch.finfo(dtype).max}
+    for name, g in signs.items():
+        p.grad = None
+        out = nf.gem(x.to(device), p, dim=1)
+        assert torch.isfinite(out).all()
+        out.backward(g.to(dtype).to(device))
+        assert p.grad.item() == expected[name], (name, p.grad.item())

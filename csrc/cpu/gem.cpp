@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -1065,13 +1066,6 @@ template <bool kPGrad, typename acc_t>
                             b.out_max);
 }
 
-// A running sum of p's gradient terms, saturated at the largest double: terms
-// near the largest value (huge inputs, p near 1e-2; each is bounded by
-// gem_p_grad) must not reach +inf and then meet -inf (NaN). NaN stays NaN.
-inline double saturating_add(double sum, double term) {
-  return gem_saturate(sum + term, std::numeric_limits<double>::max());
-}
-
 template <typename scalar_t>
 at::opmath_type<scalar_t> largest_finite() {
   return static_cast<at::opmath_type<scalar_t>>(std::numeric_limits<scalar_t>::max());
@@ -1090,8 +1084,23 @@ BackwardScalars<acc_t> backward_scalars(const GemScalars<acc_t>& k, acc_t out_ma
   return {V(k.eps), V(k.p), V(out_max), V(pm1_hi), V(pm1_lo), V(hi), V(lo)};
 }
 
+// A double sum with Neumaier's compensation: each addition's rounding error is
+// kept (exactly) and added at the end, so that terms of both signs near the
+// largest value cancel to about one rounding of the result, not of the
+// largest partial sum.
+struct NeumaierSum {
+  double sum = 0, carry = 0;
+  void add(double v) {
+    const double t = sum + v;
+    carry += std::abs(sum) >= std::abs(v) ? (sum - t) + v : (v - t) + sum;
+    sum = t;
+  }
+  double value() const { return sum + carry; }
+};
+
 // p's gradient terms of `count` reductions, gem_p_grad from their divergence
-// sums (D = gem_mean(dsum, n)), summed in order in double.
+// sums (D = gem_mean(dsum, n)), each scaled by kGemPGradScale and summed in
+// order in double, compensated (gem_p_grad_total's input).
 template <typename acc_t>
 double p_grad_sum(const ReductionGrads<acc_t>& q, const acc_t* dsum, int64_t count,
                   const GemScalars<acc_t>& k) {
@@ -1099,7 +1108,7 @@ double p_grad_sum(const ReductionGrads<acc_t>& q, const acc_t* dsum, int64_t cou
   constexpr int64_t w = V::size();
   const V zero(acc_t(0)), big(gem_big<acc_t>()), pp(k.p * k.p);
   acc_t term[w];
-  double dp = 0;
+  NeumaierSum dp;
   for (int64_t l0 = 0; l0 < count; l0 += w) {
     const int64_t c = std::min<int64_t>(w, count - l0);
     const V mv = V::loadu(q.m + l0, c), cntv = V::loadu(q.cnt + l0, c);
@@ -1108,10 +1117,13 @@ double p_grad_sum(const ReductionGrads<acc_t>& q, const acc_t* dsum, int64_t cou
     const V d = V::loadu(dsum + l0, c) / cntv;
     // gem * (D / p^2) bounded before meeting g; clamp_min/max keep a NaN first operand.
     const V v = at::vec::clamp_max(at::vec::clamp_min(V::loadu(q.gem + l0, c) * (d / pp), zero - big), big);
-    V::blendv(zero, V::loadu(q.g + l0, c) * v, live).store(term);
-    for (int64_t l = 0; l < c; ++l) dp = saturating_add(dp, static_cast<double>(term[l]));
+    // g * v saturated as well (gem_p_grad), so that no term is inf; NaN stays.
+    const V gv = at::vec::clamp_max(at::vec::clamp_min(V::loadu(q.g + l0, c) * v, zero - big), big);
+    V::blendv(zero, gv, live).store(term);
+    // Scaled terms: fewer than 2^64 of them cannot overflow the double sum.
+    for (int64_t l = 0; l < c; ++l) dp.add(static_cast<double>(term[l]) * kGemPGradScale);
   }
-  return dp;
+  return dp.value();
 }
 
 // -- inner == 1 --
@@ -1397,11 +1409,12 @@ void gem_backward_kernel(GemBackwardArgs& args) {
     }
   }
   if (args.p_grad) {
-    // Per-block partials in block order: the same sum for any thread count,
-    // bounded by the accumulation type's range (a sum past it saturates).
-    double dp = 0;
-    for (const double v : partial) dp = saturating_add(dp, v);
-    args.grad_p.fill_(static_cast<acc_t>(gem_saturate(dp, static_cast<double>(gem_big<acc_t>()))));
+    // Per-block partials (scaled sums) in block order: the same sum for any
+    // thread count; gem_p_grad_total clamps it to the accumulation type's
+    // range and scales it back.
+    NeumaierSum dp;
+    for (const double v : partial) dp.add(v);
+    args.grad_p.fill_(gem_p_grad_total<acc_t>(dp.value()));
   }
 }
 

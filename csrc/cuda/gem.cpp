@@ -17,6 +17,7 @@
 #include "common/gem_op.h"
 #include "cuda/aten_device_types.h"
 #include "cuda/gem_kernels.h"
+#include "nanfree/gem_math.h"
 
 namespace nanfree {
 namespace {
@@ -65,22 +66,31 @@ std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at
                                                 bool p_grad) {
   const c10::OptionalDeviceGuard device_guard(input.device());  // as in gem
   GemBackwardArgs args = prepare_gem_backward(grad, input, p, p_value, stats, eps, mask, p_grad);
-  // The per-block partial sums of p's gradient (added in a fixed order by
-  // the launcher into grad_p, which it writes also when there is no entry).
-  const at::Tensor partials =
-      args.p_grad ? at::empty({gpu::kGemMaxPartials}, args.grad_p.options()) : at::Tensor();
+  // One term of p's gradient per reduction (gem_p_grad), written by the
+  // kernels; all 0 when there is no entry (nothing is launched then).
+  const int64_t reductions = args.shape.reductions();
+  const at::Tensor terms =
+      !args.p_grad ? at::Tensor()
+      : args.shape.n > 0 ? at::empty({reductions}, args.grad_p.options())
+                         : at::zeros({reductions}, args.grad_p.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_gem_backward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    acc_t* grad_p = args.p_grad ? args.grad_p.mutable_data_ptr<acc_t>() : nullptr;
-    acc_t* partial_sums = args.p_grad ? partials.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* p_grad_terms = args.p_grad ? terms.mutable_data_ptr<acc_t>() : nullptr;
     C10_CUDA_CHECK(gpu::gem_backward(
         device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.input), layout_of(args.shape),
         mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
         args.stats.const_data_ptr<acc_t>(), args.eps,
-        mutable_device_ptr<scalar_t>(args.grad_input), grad_p, partial_sums,
-        stream));
+        mutable_device_ptr<scalar_t>(args.grad_input), p_grad_terms, stream));
+    if (args.p_grad) {
+      // gem_p_grad_total: the terms (each within acc's range) summed in
+      // float64 scaled by 2^-64, so that the sum cannot overflow (no inf - inf),
+      // then clamped to acc's range and scaled back. NaN (a NaN term) stays.
+      const double bound = static_cast<double>(gem_big<acc_t>()) * kGemPGradScale;
+      args.grad_p.copy_((terms.to(at::kDouble) * kGemPGradScale).sum().clamp(-bound, bound) /
+                        kGemPGradScale);
+    }
   });
   return {args.grad_input, args.grad_p};
 }

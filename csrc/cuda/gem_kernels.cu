@@ -77,11 +77,11 @@
 // p's gradient (gem_backward with grad_p): each reduction's gem_p_grad, with
 // D = gem_mean(sum of gem_divergence_term over its kept entries, count) and
 // gem = gem_value(m, mean, p) recomputed from the stats in the accumulation
-// type, is added by the thread that holds the reduction's total to its own
-// running sum; the block's sums are added in a fixed tree order into
-// partials[blockIdx.x], and one block of sum_partials_kernel adds those in a
-// fixed order into grad_p. No atomics: results do not depend on timing, as
-// every sum of every kernel runs in an order fixed by the launch plan.
+// type, is written by the thread that holds the reduction's total to
+// p_grad_terms[reduction]; the binding adds those terms (in float64, scaled,
+// so that the sum cannot overflow). No atomics: results do not depend on
+// timing, as every sum of every kernel runs in an order fixed by the launch
+// plan.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -116,9 +116,6 @@ constexpr int64_t kMinEntriesPerSlice = 16;
 // Entries loaded before their use in the streamed forward loops: loads in
 // flight, independent pows, and one rescale per batch.
 constexpr int kBatch = 4;
-// Threads of the kernel that adds the per-block partial sums of p's gradient.
-constexpr int kSumThreads = 256;
-static_assert(kMaxBlocks <= kGemMaxPartials, "a partial sum per block of one launch");
 
 // Entries a thread of the row forward keeps in its shared-memory slots: 64
 // bytes, so 2048 threads of an SM use 128 KB.
@@ -240,23 +237,6 @@ __device__ __forceinline__ void write_reduction(scalar_t* output, acc_t* stats, 
   st[0] = m;
   st[1] = mean;
   st[2] = count;
-}
-
-// The sum of one value per thread of the block (a power of two of threads,
-// 1-D or 2-D), added in a fixed tree order, returned to thread 0 (the others
-// get partial sums). Every thread must call it; `shared` holds one value per
-// thread.
-template <typename acc_t>
-__device__ __forceinline__ acc_t block_sum(acc_t v, acc_t* shared) {
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int threads = blockDim.x * blockDim.y;
-  shared[tid] = v;
-  __syncthreads();
-  for (int half = threads / 2; half > 0; half /= 2) {
-    if (tid < half) shared[tid] += shared[tid + half];
-    __syncthreads();
-  }
-  return shared[0];
 }
 
 __device__ __forceinline__ float shfl_xor(float v, int offset) {
@@ -639,10 +619,9 @@ __global__ void __launch_bounds__(kMaxThreads)
                         GemMaskView mask, const acc_of_t<scalar_t>* __restrict__ p_tensor,
                         acc_of_t<scalar_t> p_value, const acc_of_t<scalar_t>* __restrict__ stats,
                         acc_of_t<scalar_t> eps, scalar_t* __restrict__ grad_input,
-                        acc_of_t<scalar_t>* __restrict__ partials, int64_t rows, int64_t n, int G) {
+                        acc_of_t<scalar_t>* __restrict__ p_grad_terms, int64_t rows, int64_t n, int G) {
   using acc_t = acc_of_t<scalar_t>;
   __shared__ acc_t partial[kMaxWarps];
-  __shared__ acc_t block_partial[kPGrad ? kMaxThreads : 1];
   const acc_t p = launch_p(p_tensor, p_value);
   const acc_t pm1 = p - acc_t(1);
   const int groups = blockDim.x / G;
@@ -650,7 +629,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int t = threadIdx.x % G;
   const bool masked = mask.data != nullptr;
   const int64_t mstride = mask.stride_n;
-  acc_t dp = acc_t(0);  // this thread's share of p's gradient
 
   // `base` is the same for the whole block (group_reduce, below).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups; base < rows;
@@ -680,12 +658,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     if constexpr (kPGrad) {
       acc_t total[1] = {term};
       group_reduce(total, G, partial, SumOp{});
-      if (active && t == 0) dp += reduction_p_grad(b, total[0], p);
+      if (active && t == 0) p_grad_terms[row] = reduction_p_grad(b, total[0], p);
     }
-  }
-  if constexpr (kPGrad) {
-    const acc_t block_total = block_sum(dp, block_partial);
-    if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
   }
 }
 
@@ -699,11 +673,10 @@ __global__ void __launch_bounds__(kStridedThreads)
                             acc_of_t<scalar_t> p_value,
                             const acc_of_t<scalar_t>* __restrict__ stats, acc_of_t<scalar_t> eps,
                             scalar_t* __restrict__ grad_input,
-                            acc_of_t<scalar_t>* __restrict__ partials, GemLayout layout,
+                            acc_of_t<scalar_t>* __restrict__ p_grad_terms, GemLayout layout,
                             GridStride stride) {
   using acc_t = acc_of_t<scalar_t>;
   __shared__ acc_t slot[kPGrad ? kStridedThreads : 1];
-  __shared__ acc_t block_partial[kPGrad ? kStridedThreads : 1];
   const acc_t p = launch_p(p_tensor, p_value);
   const acc_t pm1 = p - acc_t(1);
   const int bx = blockDim.x;
@@ -716,7 +689,6 @@ __global__ void __launch_bounds__(kStridedThreads)
   const bool masked = mask.data != nullptr;
   const int64_t x_step = by * inner;
   const int64_t mask_step = by * mask.stride_n;
-  acc_t dp = acc_t(0);  // this thread's share of p's gradient
 
   // `first` is the same for the whole block (the slices' tree synchronizes it).
   Cursor cur = first_reduction(inner);
@@ -763,25 +735,9 @@ __global__ void __launch_bounds__(kStridedThreads)
           __syncthreads();
         }
       }
-      if (active && slice == 0) dp += reduction_p_grad(b, term, p);
+      if (active && slice == 0) p_grad_terms[cur.r] = reduction_p_grad(b, term, p);
     }
   }
-  if constexpr (kPGrad) {
-    const acc_t block_total = block_sum(dp, block_partial);
-    if (threadIdx.x == 0 && threadIdx.y == 0) partials[blockIdx.x] = block_total;
-  }
-}
-
-// grad_p[0] = the sum of the `count` partial sums (0 for none), in a fixed
-// order: each thread adds its strided share in order, then a tree.
-template <typename acc_t>
-__global__ void __launch_bounds__(kSumThreads)
-    sum_partials_kernel(const acc_t* __restrict__ partials, int count, acc_t* __restrict__ out) {
-  __shared__ acc_t shared[kSumThreads];
-  acc_t v = acc_t(0);
-  for (int k = threadIdx.x; k < count; k += blockDim.x) v += partials[k];
-  const acc_t total = block_sum(v, shared);
-  if (threadIdx.x == 0) out[0] = total;
 }
 
 // ---------------------------------------------------------------------------
@@ -904,40 +860,30 @@ template <typename scalar_t>
 cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout layout,
                          GemMaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
                          const acc_of_t<scalar_t>* stats, double eps, scalar_t* grad_input,
-                         acc_of_t<scalar_t>* grad_p, acc_of_t<scalar_t>* partials,
-                         cudaStream_t stream) {
+                         acc_of_t<scalar_t>* p_grad_terms, cudaStream_t stream) {
   using acc_t = acc_of_t<scalar_t>;
-  const bool p_grad = grad_p != nullptr;
-  if (p_grad && partials == nullptr) return cudaErrorInvalidValue;
+  const bool p_grad = p_grad_terms != nullptr;
   const acc_t eps_acc = gem_effective_eps(static_cast<acc_t>(eps));
   const acc_t p_acc = static_cast<acc_t>(p_value);
-  int blocks = 0;  // partial sums written
-  // Nothing to read or write when there is no entry; grad_p is still 0 below.
-  if (layout.outer > 0 && layout.inner > 0 && layout.n > 0) {
-    const cudaError_t err = dispatch_bool(p_grad, [&](auto p_grad_c) {
-      constexpr bool kPGrad = decltype(p_grad_c)::value;
-      if (layout.inner > 1) {
-        const StridedPlan plan = strided_plan(layout);
-        blocks = plan.blocks;
-        strided_backward_kernel<scalar_t, kPGrad>
-            <<<plan.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
-                grad, input, mask, p_tensor, p_acc, stats, eps_acc, grad_input, partials, layout,
-                plan.stride);
-      } else {
-        // The group of the forward's plan for scalar loads (the backward streams).
-        const RowPlan plan = row_plan<scalar_t>(layout.outer, layout.n, false);
-        blocks = plan.blocks;
-        row_backward_kernel<scalar_t, kPGrad><<<plan.blocks, plan.threads, 0, stream>>>(
-            grad, input, mask, p_tensor, p_acc, stats, eps_acc, grad_input, partials,
-            layout.outer, layout.n, plan.group);
-      }
-      return cudaGetLastError();
-    });
-    if (err != cudaSuccess) return err;
-  }
-  if (!p_grad) return cudaSuccess;
-  sum_partials_kernel<acc_t><<<1, kSumThreads, 0, stream>>>(partials, blocks, grad_p);
-  return cudaGetLastError();
+  // Nothing to read or write when there is no entry (no term written then).
+  if (layout.outer <= 0 || layout.inner <= 0 || layout.n <= 0) return cudaSuccess;
+  return dispatch_bool(p_grad, [&](auto p_grad_c) {
+    constexpr bool kPGrad = decltype(p_grad_c)::value;
+    if (layout.inner > 1) {
+      const StridedPlan plan = strided_plan(layout);
+      strided_backward_kernel<scalar_t, kPGrad>
+          <<<plan.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
+              grad, input, mask, p_tensor, p_acc, stats, eps_acc, grad_input, p_grad_terms, layout,
+              plan.stride);
+    } else {
+      // The group of the forward's plan for scalar loads (the backward streams).
+      const RowPlan plan = row_plan<scalar_t>(layout.outer, layout.n, false);
+      row_backward_kernel<scalar_t, kPGrad><<<plan.blocks, plan.threads, 0, stream>>>(
+          grad, input, mask, p_tensor, p_acc, stats, eps_acc, grad_input, p_grad_terms,
+          layout.outer, layout.n, plan.group);
+    }
+    return cudaGetLastError();
+  });
 }
 
 NANFREE_GEM_LAUNCHERS(, float)

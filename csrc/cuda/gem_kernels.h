@@ -46,10 +46,6 @@ struct GemMaskView {
   int64_t stride_inner;
 };
 
-// Capacity, in values, of the workspace `partials` that gem_backward needs
-// when it computes p's gradient: one partial sum per block of its main kernel.
-constexpr int64_t kGemMaxPartials = 65536;
-
 // output [outer, inner] (the input's type) and stats [outer, inner, 3].
 // n == 0 is valid: every reduction is empty (output 0, stats (0, 0, 0)).
 template <typename scalar_t>
@@ -58,18 +54,16 @@ cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mas
                         scalar_t* output, acc_of_t<scalar_t>* stats, cudaStream_t stream);
 
 // grad_input (the input's shape and type) from grad [outer, inner] and the
-// forward's stats; masked entries get 0. When grad_p is not nullptr (then
-// p_tensor is given), also grad_p[0] = the sum over all reductions of d gem /
-// d p (gem_p_grad), summed in a fixed order (no atomics): per-block partial
-// sums in `partials` (kGemMaxPartials values, any content on entry), then one
-// small kernel. grad_p is written even when there is nothing else to compute
-// (0 then).
+// forward's stats; masked entries get 0. When p_grad_terms is not nullptr
+// (then p_tensor is given), also p_grad_terms[r] = reduction r's d gem / d p
+// (gem_p_grad) for each of the outer * inner reductions; p's gradient is
+// their sum, which the caller takes (gem_p_grad_total). With n == 0 nothing
+// is launched and p_grad_terms is left as it is (every term is 0 then).
 template <typename scalar_t>
 cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout layout,
                          GemMaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
                          const acc_of_t<scalar_t>* stats, double eps, scalar_t* grad_input,
-                         acc_of_t<scalar_t>* grad_p, acc_of_t<scalar_t>* partials,
-                         cudaStream_t stream);
+                         acc_of_t<scalar_t>* p_grad_terms, cudaStream_t stream);
 
 // Defined and instantiated in gem_kernels.cu for these element types.
 #define NANFREE_GEM_LAUNCHERS(PREFIX, T)                                                          \
@@ -78,8 +72,7 @@ cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout 
                                              cudaStream_t);                                       \
   PREFIX template cudaError_t gem_backward<T>(const T*, const T*, GemLayout, GemMaskView,         \
                                               const acc_of_t<T>*, double, const acc_of_t<T>*,     \
-                                              double, T*, acc_of_t<T>*, acc_of_t<T>*,             \
-                                              cudaStream_t);
+                                              double, T*, acc_of_t<T>*, cudaStream_t);
 NANFREE_GEM_LAUNCHERS(extern, float)
 NANFREE_GEM_LAUNCHERS(extern, double)
 NANFREE_GEM_LAUNCHERS(extern, __half)

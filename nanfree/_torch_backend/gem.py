@@ -176,7 +176,19 @@ def gem_p_grad(g, gem, m, count, divergence, p):
     gem * D / p^2 is bounded by the type's range before meeting g."""
     big = gem_big(m.dtype)
     v = (gem * (divergence / (p * p))).clamp(-big, big)  # NaN stays
-    return torch.where(gem_has_gradient(m, count), g * v, 0.0)
+    # g * v saturated too: the sum over reductions must never meet inf - inf.
+    return torch.where(gem_has_gradient(m, count), (g * v).clamp(-big, big), 0.0)
+
+
+GEM_P_GRAD_SCALE = 2.0 ** -64
+
+
+def gem_p_grad_total(terms, acc):
+    """The sum of every reduction's gem_p_grad, in float64 with each term scaled by
+    2^-64 (no overflow, even for float64 terms), clamped to acc's range, scaled back."""
+    bound = gem_big(acc) * GEM_P_GRAD_SCALE
+    scaled = (terms.double() * GEM_P_GRAD_SCALE).sum()
+    return (scaled.clamp(-bound, bound) / GEM_P_GRAD_SCALE).to(acc)  # NaN stays
 
 
 def gem_saturate(x, dtype):
@@ -258,5 +270,5 @@ def gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad):
         if mask is not None:
             term = torch.where(mask, term, 0.0)
         divergence = gem_mean(term.sum(dim=1, keepdim=True), count)
-    dp = gem_p_grad(g, gem_out, m, count, divergence, pv).sum()
+    dp = gem_p_grad_total(gem_p_grad(g, gem_out, m, count, divergence, pv), acc)
     return grad_input, dp

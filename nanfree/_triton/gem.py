@@ -43,9 +43,9 @@ cascade sum: the output carries the mean's rounding raised to 1/p.
 
 Backward: one read of the input and one write of its gradient, tile by tile
 (gem_input_grad); masked entries are not read. With p_grad, each entry's
-divergence term (gem_divergence_term) is summed in registers; each program
-reduces its reductions' gem_p_grad to one partial in a buffer of one float
-per program, which torch then sums (a fixed order: deterministic). No host
+divergence term (gem_divergence_term) is summed in registers; each
+reduction's gem_p_grad goes to a buffer of one value per reduction, which
+gem_p_grad_total sums in float64 without overflow (deterministic). No host
 sync: a tensor p is read inside the kernels from a 0-d tensor of the
 accumulation dtype and clamped there (gem_clamp_p); a Python p is passed by
 value (a float64 argument).
@@ -83,6 +83,7 @@ from triton.language.extra import libdevice
 
 from .._checks import acc_dtype
 from .._gem_checks import check_gem, check_gem_backward, output_shape, stats_shape
+from .._torch_backend.gem import gem_p_grad_total
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded
@@ -392,7 +393,10 @@ def gem_p_grad(g, gem, m, count, divergence, p):
     big = gem_big(gem)
     v = gem * ieee_div(divergence, p * p)
     v = tl.where(v > big, big, tl.where(v < -big, -big, v))  # NaN stays
-    return tl.where(gem_has_gradient(m, count), g * v, 0.0)
+    # g * v saturated too: the sum over reductions must never meet inf - inf.
+    term = g * v
+    term = tl.where(term > big, big, tl.where(term < -big, -big, term))
+    return tl.where(gem_has_gradient(m, count), term, 0.0)
 
 
 @triton.jit
@@ -600,7 +604,7 @@ def _gem_backward_kernel(go_ptr, x_ptr, p_ptr, stats_ptr, mask_ptr, gi_ptr, part
     if P_GRAD:
         divergence = gem_mean(_sum_entries(partial), count)
         dp = gem_p_grad(g, gem_value(m, mean, p), m, count, divergence, p)
-        tl.store(partial_ptr + tl.program_id(0), tl.sum(dp, 0))
+        tl.store(partial_ptr + red, dp, mask=valid)
 
 
 # ---------------------------------------------------------------------------
@@ -712,12 +716,13 @@ def gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad):
     p_t, p_v, p_tensor = _p_args(p, p_value, x, acc)
     m, (ms0, ms1, ms2), has_mask = _mask_args(mask, x)
     grid, n_iblocks, rows, block_j, block_k, _, num_warps = _config(outer, n, inner, True)
-    partials = x.new_empty((grid,), dtype=acc) if p_grad else st
+    # One term of p's gradient per reduction.
+    partials = x.new_empty((outer * inner,), dtype=acc) if p_grad else st
     with device_guard(x):
         _gem_backward_kernel[(grid,)](
             g, x, p_t, st, m, grad_input, partials, outer, n, inner, n_iblocks, p_v, float(eps),
             ms0, ms1, ms2, ROWS=rows, HAS_MASK=has_mask, P_TENSOR=p_tensor, P_GRAD=p_grad,
             BLOCK_J=block_j, BLOCK_K=block_k, num_warps=num_warps, enable_reflect_ftz=False)
-    # One partial per program, summed by torch in a fixed order (deterministic).
-    grad_p = partials.sum() if p_grad else x.new_empty((0,), dtype=acc)
+    # Summed without overflow as every backend does (gem_p_grad_total; deterministic).
+    grad_p = gem_p_grad_total(partials, acc) if p_grad else x.new_empty((0,), dtype=acc)
     return grad_input, grad_p

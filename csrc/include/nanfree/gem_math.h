@@ -281,7 +281,25 @@ NF_HOST_DEVICE T gem_p_grad(T g, T gem, T m, T count, T divergence, T p) {
   if (!gem_has_gradient(m, count)) return T(0);
   T v = gem * (divergence / (p * p));
   v = v > gem_big<T>() ? gem_big<T>() : (v < -gem_big<T>() ? -gem_big<T>() : v);  // NaN stays
-  return g * v;
+  // g * v may pass the type's range too: saturated, so that summing the terms
+  // of many reductions (gem_p_grad_total) never meets inf - inf. NaN stays.
+  const T term = g * v;
+  return term > gem_big<T>() ? gem_big<T>() : (term < -gem_big<T>() ? -gem_big<T>() : term);
+}
+
+// p's gradient is the sum of every reduction's gem_p_grad, each within the
+// type's range, taken in double with every term scaled by 2^-64 (a sum of
+// fewer than 2^64 terms cannot overflow then, even in float64), then clamped
+// to the type's range and scaled back: gem_p_grad_scale is that factor, and
+// gem_p_grad_total the last step, from the scaled double sum.
+constexpr double kGemPGradScale = 0x1p-64;
+
+template <typename T>
+NF_HOST_DEVICE T gem_p_grad_total(double scaled_sum) {
+  const double bound = static_cast<double>(gem_big<T>()) * kGemPGradScale;
+  // Beyond the type's range the sum saturates; NaN (a NaN reduction) stays.
+  const double clamped = scaled_sum > bound ? bound : (scaled_sum < -bound ? -bound : scaled_sum);
+  return static_cast<T>(clamped / kGemPGradScale);
 }
 
 // A gradient on its way to a type whose largest finite value is `out_max`:
