@@ -161,6 +161,21 @@ def direction_call(fn, inputs, direction, args=()):
     return lambda: torch.autograd.grad(fn(*leaves, *args), leaves, grad)
 
 
+def gpu_peak_bytes(device, call):
+    """Bytes that `call()` allocates at its peak on a GPU beyond what is allocated
+    before it, after one warm-up call (which also compiles a compiled function)."""
+    call()
+    gc.collect()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = call()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del result
+    return peak
+
+
 def copy_bandwidth(device, sync):
     """GB/s (read + write) of y.copy_(x) and of x.clone() (which allocates its output: on a
     CPU, fresh pages of a large tensor cost more than the copy) of a buffer larger than

@@ -29,7 +29,6 @@ and [64, 2048, 7, 7] bfloat16; on a GPU, [64, 2048, 7, 7], [64, 2048, 14, 14] an
 """
 
 import functools
-import gc
 import os
 import sys
 
@@ -148,19 +147,8 @@ def peak_memory(bench, fn, x, p, out, args):
     def call():
         return torch.autograd.grad(fn(*leaves, *args), leaves, grad)
 
-    call()  # warm (a compiled function compiles here)
-    gc.collect()
-    torch.cuda.synchronize(bench.device)
-    before = torch.cuda.memory_allocated(bench.device)
-    torch.cuda.reset_peak_memory_stats(bench.device)
-    grads = call()
-    torch.cuda.synchronize(bench.device)
-    peak = torch.cuda.max_memory_allocated(bench.device) - before
-    del grads
-    return peak
+    return bc.gpu_peak_bytes(bench.device, call)
 
-
-# --- the run ---------------------------------------------------------------------------
 
 def shape_text(shape):
     return "x".join(map(str, shape))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, DTYPES
+from saved_tensors import saved_sizes
 from cosine_oracle import cosine, cosine_grads, normalize_grad
 from cosine_oracle import normalize as oracle_normalize
 from hypothesis import assume, given, settings
@@ -637,19 +638,6 @@ def test_empty_batches_backward(device, case):
 # --- cos_sim's backward stores no [N, M, d] tensor -------------------------------------
 
 
-def _largest_saved(fn):
-    """fn's output and the most elements of one tensor its graph saves for backward."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, max(sizes, default=0)
-
-
 def _largest_allocation(fn, device):
     """Bytes of the largest tensor allocated while fn runs (CPU: the profiler's
     allocation events; CUDA: the peak of the caching allocator above its start)."""
@@ -678,11 +666,13 @@ def test_cos_sim_backward_builds_no_n_m_d_tensor(device):
     def broadcast():
         return F.cosine_similarity(a[:, None], b[None], dim=-1)
 
-    s, saved = _largest_saved(broadcast)
+    s, sizes = saved_sizes(broadcast)
+    saved = max(sizes, default=0)
     assert saved >= n * m * d
     assert _largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device) >= cube / 2
 
-    s, saved = _largest_saved(lambda: nf.cos_sim(a, b))
+    s, sizes = saved_sizes(lambda: nf.cos_sim(a, b))
+    saved = max(sizes, default=0)
     assert saved <= bound, f"cos_sim saves a tensor of {saved} elements for backward"
     largest = _largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device)
     assert largest <= 8 * 4 * bound, f"cos_sim's backward allocates {largest} bytes at once"

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, DTYPES, INTERPRETED
+from saved_tensors import saved_sizes
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -838,33 +839,20 @@ def test_state_dict_round_trip(module_cls):
 # --- memory: nothing full-size besides input, output and gradients ---------------------
 
 
-def _saved_sizes(fn):
-    """fn's output and the element counts of the tensors its graph saves for backward."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sizes
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["image", "tokens"])
 def test_backward_saves_input_stats_and_mask_only(device, layout):
     if layout == "image":
         x = torch.rand(4, 8, 7, 7, device=device, dtype=torch.float16, requires_grad=True)
         p = torch.tensor([3.0], device=device, requires_grad=True)
-        out, sizes = _saved_sizes(lambda: nf.gem_pool2d(x, p))
+        out, sizes = saved_sizes(lambda: nf.gem_pool2d(x, p))
         allowed = x.numel() + 1 + 3 * out.numel()
     else:
         x = torch.rand(4, 32, 16, device=device, dtype=torch.float16, requires_grad=True)
         attention = (torch.arange(32, device=device)[None] < torch.tensor(
             [[32], [10], [0], [5]], device=device)).long()
         p = torch.tensor([3.0], device=device, requires_grad=True)
-        out, sizes = _saved_sizes(lambda: nf.gem(x, p, 1, mask=attention[..., None]))
+        out, sizes = saved_sizes(lambda: nf.gem(x, p, 1, mask=attention[..., None]))
         # The mask is saved as the expanded view of a [B, L, 1] bool tensor.
         allowed = x.numel() + 1 + 3 * out.numel() + x.numel()
     assert max(sizes) <= x.numel(), f"a saved tensor larger than the input: {sizes}"

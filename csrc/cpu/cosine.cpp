@@ -191,13 +191,6 @@ void normalize_kernel(const NormalizeArgs& args, double eps_arg) {
   });
 }
 
-// saturate_gradient's bound for outputs of scalar_t: its largest finite
-// value, in the accumulation type.
-template <typename scalar_t>
-at::opmath_type<scalar_t> largest_finite() {
-  return static_cast<at::opmath_type<scalar_t>>(std::numeric_limits<scalar_t>::max());
-}
-
 // saturate_gradient of a vector: clamp_min and clamp_max return a NaN first
 // operand unchanged, as saturate_gradient keeps NaN.
 template <typename acc_t>

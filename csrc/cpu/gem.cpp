@@ -1066,11 +1066,6 @@ template <bool kPGrad, typename acc_t>
                             b.out_max);
 }
 
-template <typename scalar_t>
-at::opmath_type<scalar_t> largest_finite() {
-  return static_cast<at::opmath_type<scalar_t>>(std::numeric_limits<scalar_t>::max());
-}
-
 template <typename acc_t>
 BackwardScalars<acc_t> backward_scalars(const GemScalars<acc_t>& k, acc_t out_max) {
   using V = Vec<acc_t>;

@@ -197,5 +197,12 @@ inline at::opmath_type<scalar_t> row_sum(const scalar_t* a, int64_t n) {
                            [&](int64_t j, int64_t count) { return load_vec(a + j, count); });
 }
 
+// The largest finite value of scalar_t, in its accumulation type: the bound of
+// a saturated gradient (saturate_gradient, gem_saturate).
+template <typename scalar_t>
+at::opmath_type<scalar_t> largest_finite() {
+  return static_cast<at::opmath_type<scalar_t>>(std::numeric_limits<scalar_t>::max());
+}
+
 }  // namespace cpu
 }  // namespace nanfree

@@ -77,18 +77,6 @@ constexpr int cached_iters(Cached kind, int vec) {
   return max_cached_iters<scalar_t>(vec, 2);
 }
 
-// The largest finite value of scalar_t, in its accumulation type (saturate_gradient).
-template <typename scalar_t>
-__device__ __forceinline__ acc_of_t<scalar_t> largest_finite() {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    return 65504.0f;
-  } else if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-    return 3.38953139e38f;  // 0x7f7f
-  } else {
-    return std::numeric_limits<scalar_t>::max();
-  }
-}
-
 __device__ __forceinline__ float magnitude(float x) { return ::fabsf(x); }
 __device__ __forceinline__ double magnitude(double x) { return ::fabs(x); }
 

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "cuda/softmax_kernels.h"  // acc_of_t, the accumulation type of every family
@@ -27,6 +28,19 @@ constexpr int kMaxWarps = kMaxThreads / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 // Blocks of one launch; the kernels loop over the remaining rows (gridDim.x < 2^31).
 constexpr int64_t kMaxBlocks = 65536;
+
+// The largest finite value of scalar_t, in its accumulation type (the bound of a
+// saturated gradient: saturate_gradient, gem_saturate).
+template <typename scalar_t>
+__device__ __forceinline__ acc_of_t<scalar_t> largest_finite() {
+  if constexpr (std::is_same_v<scalar_t, __half>) {
+    return 65504.0f;
+  } else if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
+    return 3.38953139e38f;  // 0x7f7f
+  } else {
+    return std::numeric_limits<scalar_t>::max();
+  }
+}
 
 // Elements of one 16-byte vector.
 template <typename scalar_t>

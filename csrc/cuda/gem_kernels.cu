@@ -124,18 +124,6 @@ constexpr int row_slots() {
   return sizeof(acc_t) == 8 ? 8 : 16;
 }
 
-// The largest finite value of scalar_t, in its accumulation type (gem_saturate).
-template <typename scalar_t>
-__device__ __forceinline__ acc_of_t<scalar_t> output_max() {
-  if constexpr (std::is_same_v<scalar_t, __half>) {
-    return 65504.0f;
-  } else if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-    return 3.38953139e38f;  // 0x7f7f
-  } else {
-    return std::numeric_limits<scalar_t>::max();
-  }
-}
-
 // p of the launch: a tensor p clamped (read on the device, no host sync), or
 // the Python number as is.
 template <typename acc_t>
@@ -319,7 +307,7 @@ __device__ __forceinline__ acc_t entry_backward(const BackwardReduction<acc_t>& 
                                                 acc_t& term) {
   if (!keep || !b.live) return acc_t(0);
   if constexpr (kPGrad) term += gem_divergence_term(clamp_to_eps(x, eps), b.m, b.log_mean, p);
-  return gem_saturate(entry_grad(b, x, eps, p, pm1), output_max<scalar_t>());
+  return gem_saturate(entry_grad(b, x, eps, p, pm1), largest_finite<scalar_t>());
 }
 
 // gem_p_grad of one reduction given the sum of its divergence terms; 0 for a
