@@ -55,4 +55,33 @@ TORCH_LIBRARY(nanfree, m) {
   m.def(
       "gem_backward(Tensor grad_output, Tensor input, Tensor? p, float p_value, Tensor stats, "
       "float eps, Tensor? mask, bool p_grad) -> (Tensor, Tensor)");
+
+  // Multiple negatives ranking (InfoNCE) loss of row-normalized `queries`
+  // [R, d] and `docs` [M, d] (one floating dtype; mnr_math.h gives the
+  // layout and every rule). Local rows g in [offset, offset + rows) are
+  // scored; `directions` is a bit set (1 query_to_doc, always; 2
+  // query_to_query; 4 doc_to_query; 8 doc_to_doc); hardness_mode 0 none, 1
+  // in_batch_negatives, 2 hard_negatives, 3 all_negatives; reduction 0 none
+  // ([rows]), 1 mean, 2 sum (0-d). `scale` is None (then `scale_value` > 0
+  // is used) or a floating tensor of one element. Returns (loss, stats,
+  // grad_queries, grad_docs, grad_scale): loss in float32 (float64 for
+  // float64 docs); stats [rows, 2] of that dtype, each local row's two
+  // logsumexps (its query row, its positive's row: -inf without
+  // doc_to_query / doc_to_doc); with `grad`, the gradients of the loss for
+  // an upstream gradient of 1 (ones for reduction none), in the inputs'
+  // dtype and, for a tensor scale, a 0-d accumulation-dtype scale gradient;
+  // else empty [0] tensors.
+  m.def(
+      "mnr_loss(Tensor queries, Tensor docs, Tensor? scale, float scale_value, int offset, "
+      "int rows, int owned_blocks, int directions, bool per_direction, int hardness_mode, "
+      "float hardness_strength, int reduction, bool grad) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The gradients for an upstream gradient `grad_loss` (the loss's shape and
+  // dtype), recomputing the logits from `stats`: (grad_queries, grad_docs,
+  // grad_scale), grad_scale empty [0] when `scale` is None.
+  m.def(
+      "mnr_loss_backward(Tensor grad_loss, Tensor queries, Tensor docs, Tensor? scale, "
+      "float scale_value, Tensor stats, int offset, int rows, int owned_blocks, int directions, "
+      "bool per_direction, int hardness_mode, float hardness_strength, int reduction) -> "
+      "(Tensor, Tensor, Tensor)");
 }

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import _cosine_registration, _gem_registration, _softmax_registration
+from . import _cosine_registration, _gem_registration, _mnr_registration, _softmax_registration
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 
@@ -27,7 +27,7 @@ BACKENDS = ("cpu", "cuda", "triton", "torch")
 # Each Python backend holds one module per family, nanfree._triton.<family> and
 # nanfree._torch_backend.<family>, with one function per op named as the op.
 FAMILIES = {"softmax": _softmax_registration, "cosine": _cosine_registration,
-            "gem": _gem_registration}
+            "gem": _gem_registration, "mnr": _mnr_registration}
 
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",

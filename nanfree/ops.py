@@ -22,7 +22,7 @@ from ._torch_backend.cosine import normalize_p
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim", "gem",
-    "gem_pool2d",
+    "gem_pool2d", "mnr_loss",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -339,3 +339,174 @@ def gem_pool2d(input, p=3.0, eps=1e-6):
         raise ValueError(f"nanfree.gem_pool2d: `input` must be [B, C, H, W] or [C, H, W], "
                          f"got {input.dim()} dimensions")
     return gem(input, p, (-2, -1), eps, keepdim=True)
+
+
+# --- MNR (InfoNCE) loss ------------------------------------------------------------
+
+_MNR_DIRECTIONS = {"query_to_doc": 1, "query_to_query": 2, "doc_to_query": 4, "doc_to_doc": 8}
+_MNR_HARDNESS = {None: 0, "in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
+_MNR_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+_MNR_DEFAULT_DIRECTIONS = ("query_to_doc",)
+
+
+def _mnr_options(symmetric, directions, partition_mode, hardness_mode, hardness_strength,
+                 reduction):
+    """The op's integer options, after sentence-transformers' checks."""
+    op = "mnr_loss"
+    if symmetric:
+        if tuple(directions) != _MNR_DEFAULT_DIRECTIONS or partition_mode != "joint":
+            raise ValueError(f"nanfree.{op}: `symmetric=True` sets directions and "
+                             "partition_mode; do not pass them too")
+        directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
+    if isinstance(directions, str) or not directions:
+        raise ValueError(f"nanfree.{op}: `directions` must be a non-empty sequence of "
+                         f"{sorted(_MNR_DIRECTIONS)}, got {directions!r}")
+    unknown = set(directions) - set(_MNR_DIRECTIONS)
+    if unknown:
+        raise ValueError(f"nanfree.{op}: unknown `directions` {sorted(unknown)}; valid: "
+                         f"{sorted(_MNR_DIRECTIONS)}")
+    if "query_to_doc" not in directions:
+        raise ValueError(f"nanfree.{op}: `directions` must include 'query_to_doc' (it holds "
+                         "the positive pair)")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"nanfree.{op}: `partition_mode` must be 'joint' or 'per_direction', "
+                         f"got {partition_mode!r}")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError(f"nanfree.{op}: partition_mode='per_direction' needs every direction "
+                         "to hold the positive pair; 'query_to_query' and 'doc_to_doc' do not "
+                         "(use partition_mode='joint')")
+    if hardness_mode not in _MNR_HARDNESS:
+        raise ValueError(f"nanfree.{op}: `hardness_mode` must be one of "
+                         f"{list(_MNR_HARDNESS)}, got {hardness_mode!r}")
+    _check_number(op, "hardness_strength", hardness_strength)
+    if not (math.isfinite(hardness_strength) and hardness_strength >= 0):
+        raise ValueError(f"nanfree.{op}: `hardness_strength` must be finite and >= 0, got "
+                         f"{hardness_strength}")
+    if reduction not in _MNR_REDUCTIONS:
+        raise ValueError(f"nanfree.{op}: `reduction` must be 'mean', 'sum' or 'none', got "
+                         f"{reduction!r}")
+    bits = sum(_MNR_DIRECTIONS[d] for d in set(directions))
+    hardness = _MNR_HARDNESS[hardness_mode] if hardness_strength > 0 else 0
+    return bits, partition_mode == "per_direction", hardness, float(hardness_strength), \
+        _MNR_REDUCTIONS[reduction]
+
+
+def _mnr_scale(scale, ref):
+    """(scale tensor or None, Python scale value)."""
+    op = "mnr_loss"
+    if isinstance(scale, torch.Tensor):
+        check_float(op, "scale", scale)
+        if scale.numel() != 1:
+            raise ValueError(f"nanfree.{op}: a tensor `scale` must have one element, got shape "
+                             f"{list(scale.shape)}")
+        check_device(op, "scale", ref, scale, "queries")
+        return scale, 0.0
+    _check_number(op, "scale", scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"nanfree.{op}: `scale` must be positive and finite, got {scale}")
+    return None, float(scale)
+
+
+def _mnr_embeddings(queries, positives, negatives):
+    """Checks the embeddings; returns their common dtype."""
+    op = "mnr_loss"
+    _check_tensors(op, queries=queries, positives=positives)
+    if negatives is not None:
+        _check_tensors(op, negatives=negatives)
+    named = {"queries": queries, "positives": positives}
+    if negatives is not None:
+        named["negatives"] = negatives
+    for name, t in named.items():
+        check_float(op, name, t)
+        check_device(op, name, queries, t, "queries")
+    if queries.dim() != 2:
+        raise ValueError(f"nanfree.{op}: `queries` must be 2-D [B, d], got {queries.dim()} "
+                         "dimensions")
+    if queries.shape[0] == 0:
+        raise ValueError(f"nanfree.{op}: `queries` must hold at least one row")
+    if positives.shape != queries.shape:
+        raise ValueError(f"nanfree.{op}: `positives` must have the shape of `queries` "
+                         f"{list(queries.shape)}, got {list(positives.shape)}")
+    dtype = torch.promote_types(queries.dtype, positives.dtype)
+    if negatives is not None:
+        dtype = torch.promote_types(dtype, negatives.dtype)
+        if negatives.dim() == 3:
+            if negatives.shape[0] != queries.shape[0] or negatives.shape[2] != queries.shape[1]:
+                raise ValueError(f"nanfree.{op}: 3-D `negatives` must be [B, k, d] = "
+                                 f"[{queries.shape[0]}, k, {queries.shape[1]}], got "
+                                 f"{list(negatives.shape)}")
+        elif negatives.dim() == 2:
+            if negatives.shape[1] != queries.shape[1]:
+                raise ValueError(f"nanfree.{op}: 2-D `negatives` must be [N, d] with d = "
+                                 f"{queries.shape[1]}, got {list(negatives.shape)}")
+        else:
+            raise ValueError(f"nanfree.{op}: `negatives` must be [B, k, d] or [N, d], got "
+                             f"{negatives.dim()} dimensions")
+    return dtype
+
+
+def _cat_rows(parts):
+    """torch.cat of same-dtype parts, also under autocast, whose cat refuses a
+    half dtype other than its own (the op itself widens under autocast)."""
+    device_type = parts[0].device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return torch.cat(parts)
+    return torch.cat(parts)
+
+
+def _gather_with_grad(t):
+    """Every rank's rows, concatenated in rank order; the gradient of each
+    rank's rows flows back to that rank (torch.distributed.nn.all_gather, as
+    sentence-transformers gathers)."""
+    import torch.distributed.nn
+
+    return torch.cat(torch.distributed.nn.all_gather(t), dim=0)
+
+
+def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
+             directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+             hardness_strength=0.0, reduction="mean", gather_across_devices=False):
+    """The multiple negatives ranking (InfoNCE) loss of sentence-transformers'
+    ``MultipleNegativesRankingLoss`` on given embeddings, fused: cross entropy of
+    ``scale * cos_sim`` with each query's positive as target, without ever
+    holding the [B, B(1+k)] logit matrix, and never NaN from non-NaN input.
+
+    ``queries``, ``positives`` [B, d]; ``negatives`` None, [B, k, d] (k hard
+    negatives per query) or [N, d] (extra candidates shared by every query,
+    owned by none). ``scale`` is a positive float or a one-element tensor (its
+    gradient is returned). See README.md for directions, partition modes,
+    hardness modes and gathering across ranks. Half-precision inputs give a
+    float32 loss."""
+    op = "mnr_loss"
+    dtype = _mnr_embeddings(queries, positives, negatives)
+    scale_tensor, scale_value = _mnr_scale(scale, queries)
+    bits, per_direction, hardness, strength, red = _mnr_options(
+        symmetric, directions, partition_mode, hardness_mode, hardness_strength, reduction)
+    if not isinstance(gather_across_devices, bool):
+        raise TypeError(f"nanfree.{op}: `gather_across_devices` must be a bool")
+    rows = queries.shape[0]
+    # The docs: the positives, the k blocks negatives[:, j], then shared candidates.
+    blocks = [positives]
+    if negatives is not None and negatives.dim() == 3:
+        blocks += list(negatives.unbind(1))
+    parts = blocks + ([negatives] if negatives is not None and negatives.dim() == 2 else [])
+    parts = [part.to(dtype) for part in parts]
+    queries = queries.to(dtype)
+    offset = 0
+    import torch.distributed as dist
+
+    if gather_across_devices and dist.is_available() and dist.is_initialized():
+        # Each part is gathered on its own so that the gathered docs keep the
+        # layout [every rank's positives, every rank's negatives 0, ..., shared].
+        parts = [_gather_with_grad(part) for part in parts]
+        queries = _gather_with_grad(queries)
+        offset = dist.get_rank() * rows
+    docs = _cat_rows(parts) if len(parts) > 1 else parts[0]
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (queries, docs, scale_tensor))
+    # The op normalizes the rows itself (as cos_sim does, eps 1e-12), so that no
+    # normalized copy is kept for the backward.
+    return torch.ops.nanfree.mnr_loss(queries, docs, scale_tensor, scale_value, offset, rows,
+                                      len(blocks), bits, per_direction, hardness, strength, red,
+                                      wants_grad and red != 0)[0]

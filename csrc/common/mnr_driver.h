@@ -1,0 +1,300 @@
+// The chunked MNR loss shared by the CPU and CUDA registrations: blocks of
+// local rows against every column, through ATen's GEMM, with the per-entry
+// math of mnr_math.h in a device's tile kernels (the `Tiles` policy). Only
+// one chunk of cosines ([chunk rows, columns], Tiles::kChunkEntries entries per
+// row kind) exists at a time; the forward keeps two logsumexps per row.
+//
+// With `grad`, the gradients are computed in the same pass as the loss (a
+// chunk holds whole rows, so each row's logsumexp is known before its
+// softmax is needed): three GEMMs per chunk and no recomputation. The
+// backward op recomputes the chunk's cosines from the saved logsumexps.
+//
+// A `Tiles` policy provides (acc_t = float, or double for double inputs):
+//   static constexpr int64_t kChunkEntries;
+//     cosines held per row kind and chunk (the block of rows is
+//     kChunkEntries / columns rows, at least one).
+//   static at::Tensor operand(const at::Tensor& matrix);
+//     the GEMM operand of an input [n, d] matrix (e.g. the acc dtype on CPU).
+//   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns);
+//     rows @ columns^T as a contiguous acc_t matrix.
+//   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b);
+//     out += a @ b, out acc_t, a an acc_t matrix or its transpose (a view),
+//     b an operand matrix.
+//   static void row_stats(const at::Tensor& cos, const MnrTile&, const at::Tensor& scale,
+//                         double hardness_strength, at::Tensor lse, at::Tensor positive_cos);
+//     lse[i] = logsumexp of row i's logits; positive_cos[i] (undefined for
+//     P rows) = cos of row i's positive. `scale` is 0-d acc_t.
+//   static void row_grads(at::Tensor cos, const MnrTile&, const at::Tensor& scale,
+//                         double hardness_strength, const at::Tensor& stats,
+//                         const at::Tensor& upstream, bool per_direction, bool has_p_row,
+//                         at::Tensor scale_grad);
+//     cos[i, j] <- scale * dlogit (mnr_logit_grad, from the row's stats
+//     [rows, 2] and upstream [rows]); scale_grad[i] = sum_j dlogit * cos.
+//   static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
+//                          const at::Tensor& scale, bool per_direction, bool has_p_row,
+//                          at::Tensor loss);
+//     loss[i] = mnr_row_loss(...).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "common/cosine_op.h"
+#include "common/find_op.h"
+#include "common/mnr_op.h"
+#include "nanfree/mnr_math.h"
+
+namespace nanfree {
+
+// One row kind: its row vectors, its columns and where their gradients go.
+struct MnrRowKind {
+  int kind;
+  at::Tensor rows;     // operand [R or M, d]; local row g is row g
+  at::Tensor columns;  // operand [cols, d]: the first segment, then the second
+  int64_t first_len;
+  int first_target;   // 0: gradient of queries, 1: of docs (first segment)
+  int second_target;  // the same for the second segment
+  int row_target;     // the rows' own gradient
+};
+
+template <class Tiles>
+class MnrChunked {
+ public:
+  MnrChunked(const MnrProblem& problem, const at::Tensor& queries, const at::Tensor& docs,
+             const std::optional<at::Tensor>& scale, double scale_value)
+      : p_(problem), dtype_(queries.scalar_type()), acc_(acc_dtype(queries.scalar_type())) {
+    // The rows are normalized here, by the cosine family's op (as cos_sim
+    // normalizes them), so that no normalized copy outlives the call: the
+    // gradients are taken back through normalize_backward before returning.
+    static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
+    std::tie(normalized_[0], norm_stats_[0]) = normalize.call(queries.contiguous(), kMnrNormalizeEps);
+    std::tie(normalized_[1], norm_stats_[1]) = normalize.call(docs.contiguous(), kMnrNormalizeEps);
+    const at::Tensor q = Tiles::operand(normalized_[0]);
+    const at::Tensor d = Tiles::operand(normalized_[1]);
+    scale_ = scale.has_value() ? scale->reshape({}).to(acc_)
+                               : at::scalar_tensor(scale_value, queries.options().dtype(acc_));
+    kinds_.push_back(MnrRowKind{kMnrRowQuery, q,
+                                p_.query_to_query() ? at::cat({d, q}) : d, p_.m, 1, 0, 0});
+    if (p_.has_p_row()) {
+      std::vector<at::Tensor> parts;
+      if (p_.doc_to_query()) parts.push_back(q);
+      if (p_.doc_to_doc()) parts.push_back(d);
+      kinds_.push_back(MnrRowKind{kMnrRowPositive, d,
+                                  parts.size() == 1 ? parts[0] : at::cat(parts),
+                                  p_.doc_to_query() ? p_.r : 0, 0, 1, 1});
+    }
+    int64_t cols = 0;
+    for (const MnrRowKind& k : kinds_) cols += k.columns.size(0);
+    step_ = std::clamp<int64_t>(Tiles::kChunkEntries / std::max<int64_t>(cols, 1), 1, p_.rows);
+  }
+
+  // (loss, stats, grad_queries, grad_docs, grad_scale) of the mnr_loss op.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+      bool grad, bool scale_grad) {
+    const at::TensorOptions acc = scale_.options();
+    stats_ = at::full({p_.rows, kMnrStats}, -std::numeric_limits<double>::infinity(), acc);
+    at::Tensor positive_cos = at::empty({p_.rows}, acc);
+    at::Tensor upstream;
+    if (grad) {
+      upstream = p_.reduction == kMnrReductionMean ? at::full({p_.rows}, 1.0 / p_.rows, acc)
+                                                   : at::ones({p_.rows}, acc);
+      start_gradients();
+    }
+    for (int64_t start = 0; start < p_.rows; start += step_) {
+      const int64_t n = std::min(step_, p_.rows - start);
+      std::vector<at::Tensor> cos = chunk_scores(start, n);
+      for (size_t k = 0; k < kinds_.size(); ++k) {
+        at::Tensor lse = at::empty({n}, acc);
+        at::Tensor pos = k == 0 ? at::empty({n}, acc) : at::Tensor();
+        Tiles::row_stats(cos[k], tile(k, start, n), scale_, p_.hardness_strength, lse, pos);
+        stats_.narrow(0, start, n).select(1, static_cast<int64_t>(k)).copy_(lse);
+        if (k == 0) positive_cos.narrow(0, start, n).copy_(pos);
+      }
+      if (grad) chunk_gradients(cos, start, n, upstream);
+    }
+    at::Tensor loss_rows = at::empty({p_.rows}, acc);
+    Tiles::row_losses(stats_, positive_cos, scale_, p_.per_direction, p_.has_p_row(), loss_rows);
+    at::Tensor loss = p_.reduction == kMnrReductionMean ? loss_rows.sum() / p_.rows
+                      : p_.reduction == kMnrReductionSum ? loss_rows.sum()
+                                                         : loss_rows;
+    if (!grad) {
+      // Three distinct empty tensors: outputs of an op may not alias.
+      return {loss, stats_, at::empty({0}, acc.dtype(dtype_)), at::empty({0}, acc.dtype(dtype_)),
+              at::empty({0}, acc)};
+    }
+    auto [gq, gd, gs] = finish_gradients(scale_grad);
+    return {loss, stats_, gq, gd, gs};
+  }
+
+  // (grad_queries, grad_docs, grad_scale) of the mnr_loss_backward op.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_loss,
+                                                          const at::Tensor& stats,
+                                                          bool scale_grad) {
+    stats_ = stats.contiguous();
+    const at::Tensor g = grad_loss.to(acc_);
+    const at::Tensor upstream = p_.reduction == kMnrReductionMean ? (g / p_.rows).expand({p_.rows})
+                                : p_.reduction == kMnrReductionSum ? g.expand({p_.rows})
+                                                                   : g;
+    const at::Tensor up = scale_upstream(upstream);
+    start_gradients();
+    for (int64_t start = 0; start < p_.rows; start += step_) {
+      const int64_t n = std::min(step_, p_.rows - start);
+      chunk_gradients(chunk_scores(start, n), start, n, up);
+    }
+    return finish_gradients(scale_grad);
+  }
+
+ private:
+  // upstream / 2^e, with 2^e (upstream_factor_) from the largest finite
+  // |upstream| (at most 2 after the division), a normal power of two of acc_t
+  // whose inverse is normal too, computed on the device (no host sync): no
+  // logit gradient times the scale can overflow in the tiles. The gradients
+  // are multiplied by 2^e at the end (finish_gradients), saturating.
+  at::Tensor scale_upstream(const at::Tensor& upstream) {
+    // A non-finite upstream gradient (NaN stays NaN in its rows) does not set the scale.
+    const at::Tensor finite =
+        at::where(at::isfinite(upstream), upstream.abs(), at::zeros_like(upstream));
+    const bool dbl = acc_ == at::kDouble;
+    const int64_t bias = dbl ? 1023 : 127;
+    const int64_t mantissa = dbl ? 52 : 23;
+    const at::Tensor exponent =
+        std::get<1>(at::frexp(finite.amax())).to(at::kLong).clamp(2 - bias, bias);
+    // 2^e built from its bits: exact.
+    upstream_factor_ = at::bitwise_left_shift(exponent + bias, mantissa)
+                           .to(dbl ? at::kLong : at::kInt)
+                           .view(acc_);
+    return (upstream / upstream_factor_).contiguous();
+  }
+
+  MnrTile tile(size_t k, int64_t start, int64_t n) const {
+    const MnrRowKind& kind = kinds_[k];
+    return MnrTile{n,          kind.columns.size(0), kind.first_len, p_.r,
+                   p_.owned_end, p_.offset + start,  kind.kind,      p_.hardness_mode};
+  }
+
+  std::vector<at::Tensor> chunk_scores(int64_t start, int64_t n) const {
+    std::vector<at::Tensor> cos;
+    for (const MnrRowKind& kind : kinds_) {
+      cos.push_back(Tiles::scores(kind.rows.narrow(0, p_.offset + start, n), kind.columns));
+    }
+    return cos;
+  }
+
+  void start_gradients() {
+    const at::TensorOptions acc = scale_.options();
+    grads_[0] = at::zeros({p_.r, p_.d}, acc);
+    grads_[1] = at::zeros({p_.m, p_.d}, acc);
+    scale_grad_rows_ = at::zeros({p_.rows}, acc);
+  }
+
+  // Overwrites the chunk's cosines with scale * dlogit and adds the chunk's
+  // share of every gradient.
+  void chunk_gradients(const std::vector<at::Tensor>& cos, int64_t start, int64_t n,
+                       const at::Tensor& upstream) {
+    const at::Tensor stats = stats_.narrow(0, start, n);
+    const at::Tensor up = upstream.narrow(0, start, n);
+    for (size_t k = 0; k < kinds_.size(); ++k) {
+      const MnrRowKind& kind = kinds_[k];
+      at::Tensor scale_grad = at::empty({n}, scale_.options());
+      Tiles::row_grads(cos[k], tile(k, start, n), scale_, p_.hardness_strength, stats, up,
+                       p_.per_direction, p_.has_p_row(), scale_grad);
+      scale_grad_rows_.narrow(0, start, n).add_(scale_grad);
+      const at::Tensor rows = kind.rows.narrow(0, p_.offset + start, n);
+      Tiles::accumulate(grads_[kind.row_target].narrow(0, p_.offset + start, n), cos[k],
+                        kind.columns);
+      const int64_t cols = kind.columns.size(0);
+      if (kind.first_len > 0) {
+        Tiles::accumulate(grads_[kind.first_target].narrow(0, 0, kind.first_len),
+                          cos[k].narrow(1, 0, kind.first_len).t(), rows);
+      }
+      if (cols > kind.first_len) {
+        Tiles::accumulate(grads_[kind.second_target].narrow(0, 0, cols - kind.first_len),
+                          cos[k].narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
+      }
+    }
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradients(bool scale_grad) {
+    static const auto normalize_backward =
+        find_op<NormalizeBackwardSignature>("nanfree::normalize_backward");
+    kinds_.clear();  // the operands (copies for half inputs) are no longer needed
+    // Gradients saturate at the largest finite value of the inputs' dtype (a
+    // true gradient past its range, or a half one, as the cosine family's); NaN
+    // stays NaN through clamp.
+    const double big = dtype_ == at::kHalf       ? 65504.0
+                       : dtype_ == at::kBFloat16 ? 3.3895313892515355e38
+                       : dtype_ == at::kFloat    ? 3.4028234663852886e38
+                                                 : std::numeric_limits<double>::max();
+    const double acc_big =
+        acc_ == at::kFloat ? 3.4028234663852886e38 : std::numeric_limits<double>::max();
+    at::Tensor out[2];
+    for (int i = 0; i < 2; ++i) {
+      at::Tensor g = grads_[i];
+      grads_[i] = at::Tensor();
+      if (upstream_factor_.defined()) g = g * upstream_factor_;
+      g = g.clamp(-big, big);
+      // d loss / d normalized row, then through the normalization.
+      out[i] = normalize_backward.call(g.to(dtype_), normalized_[i], norm_stats_[i]);
+      normalized_[i] = at::Tensor();
+      norm_stats_[i] = at::Tensor();
+    }
+    at::Tensor gs = at::empty({0}, scale_.options());
+    if (scale_grad) {
+      gs = scale_grad_rows_.sum();
+      if (upstream_factor_.defined()) gs = (gs * upstream_factor_).clamp(-acc_big, acc_big);
+    }
+    return {out[0], out[1], gs};
+  }
+
+  MnrProblem p_;
+  at::Tensor normalized_[2];  // queries, docs
+  at::Tensor norm_stats_[2];
+  at::ScalarType dtype_;
+  at::ScalarType acc_;
+  at::Tensor scale_;
+  std::vector<MnrRowKind> kinds_;
+  int64_t step_;
+  at::Tensor stats_;
+  at::Tensor grads_[2];
+  at::Tensor scale_grad_rows_;
+  at::Tensor upstream_factor_;  // 2^e of scale_upstream; undefined: 1
+};
+
+// The ops' kernels of a device: m.impl("mnr_loss", &mnr_loss_kernel<Tiles>).
+// Not a CUDAGuard: with a CPU argument (mixed devices) it would throw before
+// the checks can name the argument.
+template <class Tiles>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_kernel(
+    const at::Tensor& queries, const at::Tensor& docs, const std::optional<at::Tensor>& scale,
+    double scale_value, int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions,
+    bool per_direction, int64_t hardness_mode, double hardness_strength, int64_t reduction,
+    bool grad) {
+  const c10::OptionalDeviceGuard device_guard(queries.device());
+  const MnrProblem problem =
+      check_mnr_loss("mnr_loss", queries, docs, scale, scale_value, offset, rows, owned_blocks,
+                     directions, per_direction, hardness_mode, hardness_strength, reduction);
+  return MnrChunked<Tiles>(problem, queries, docs, scale, scale_value)
+      .forward(grad, scale.has_value());
+}
+
+template <class Tiles>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mnr_loss_backward_kernel(
+    const at::Tensor& grad_loss, const at::Tensor& queries, const at::Tensor& docs,
+    const std::optional<at::Tensor>& scale, double scale_value, const at::Tensor& stats,
+    int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions, bool per_direction,
+    int64_t hardness_mode, double hardness_strength, int64_t reduction) {
+  const c10::OptionalDeviceGuard device_guard(queries.device());
+  const MnrProblem problem = check_mnr_loss_backward(
+      grad_loss, queries, docs, scale, scale_value, stats, offset, rows, owned_blocks,
+      directions, per_direction, hardness_mode, hardness_strength, reduction);
+  return MnrChunked<Tiles>(problem, queries, docs, scale, scale_value)
+      .backward(grad_loss, stats, scale.has_value());
+}
+
+}  // namespace nanfree

@@ -1,0 +1,268 @@
+// CPU registration of the MNR loss (mnr_loss, mnr_loss_backward): the chunked
+// driver of csrc/common/mnr_driver.h with ATen's GEMM (MKL / oneDNN) on
+// float or double operands and these tile kernels, which apply mnr_math.h to
+// each row of a chunk of cosines.
+//
+// A row is swept with vectors at its segments' default column kinds
+// (mnr_default_kind); its own columns (mnr_own_columns: the positive, the
+// query's other docs, itself) are then redone one by one with
+// mnr_column_kind. Rows whose logsumexp or normalizer is not finite (NaN or
+// infinite embeddings or scale) take the scalar path of numerics.h, which
+// keeps NaN where the vector exp would clamp it away.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "common/mnr_driver.h"
+#include "common/mnr_op.h"
+#include "cpu/vec.h"
+#include "nanfree/mnr_math.h"
+#include "nanfree/numerics.h"
+
+namespace nanfree {
+namespace {
+
+using cpu::Vec;
+
+// How many own columns a row of the tile can have: one per owned block, and
+// the query itself.
+int max_own_columns(const MnrTile& tile) {
+  return static_cast<int>(tile.owned_end / tile.r) + 1;
+}
+
+// Entries of cosines per parallel task.
+constexpr int64_t kGrainEntries = 1 << 15;
+
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrainEntries / std::max<int64_t>(cols, 1)); }
+
+// Whether each segment's default columns are penalized (mnr_default_kind).
+struct SegmentKinds {
+  int first;
+  int second;
+};
+
+SegmentKinds segment_kinds(const MnrTile& tile) {
+  const bool docs_first = mnr_first_segment_is_docs(tile.row_kind);
+  return SegmentKinds{mnr_default_kind(tile.row_kind, docs_first, tile.hardness_mode),
+                      mnr_default_kind(tile.row_kind, !docs_first, tile.hardness_mode)};
+}
+
+// A tile's scale, hardness strength and default column kinds in acc_t.
+template <typename acc_t>
+struct TileConstants {
+  TileConstants(const at::Tensor& scale_tensor, double hardness_strength, const MnrTile& tile)
+      : scale(scale_tensor.item<acc_t>()),
+        strength(static_cast<acc_t>(hardness_strength)),
+        kinds(segment_kinds(tile)) {}
+  acc_t scale;
+  acc_t strength;
+  SegmentKinds kinds;
+};
+
+// logits[j] = mnr_logit(cos[j]) over the row: vectors at the segments'
+// default kinds (the header's formula, written with vectors), then the own
+// columns one by one. `own` receives the own columns (see mnr_own_columns).
+template <typename acc_t>
+NANFREE_HOT_LOOP int row_logits(const acc_t* cos, acc_t* logits, const MnrTile& tile, int64_t g,
+                                const TileConstants<acc_t>& h, int64_t* own, int max_own) {
+  using V = Vec<acc_t>;
+  auto sweep = [&](int64_t begin, int64_t end, int kind) {
+    const V s(h.scale), w(h.strength);
+    const bool penalized = kind == kMnrColumnPenalized;
+    int64_t j = begin;
+    if (penalized) {
+      for (; j + V::size() <= end; j += V::size()) {
+        const V c = V::loadu(cos + j);
+        (s * c + w * c).store(logits + j);
+      }
+    } else {
+      for (; j + V::size() <= end; j += V::size()) (s * V::loadu(cos + j)).store(logits + j);
+    }
+    for (; j < end; ++j) logits[j] = mnr_logit(cos[j], kind, h.scale, h.strength);
+  };
+  sweep(0, tile.first_len, h.kinds.first);
+  sweep(tile.first_len, tile.cols, h.kinds.second);
+  const int count = mnr_own_columns(tile, g, own, max_own);
+  for (int c = 0; c < count; ++c) {
+    const int64_t j = own[c];
+    const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
+                                     tile.owned_end, tile.hardness_mode);
+    logits[j] = mnr_logit(cos[j], kind, h.scale, h.strength);
+  }
+  return count;
+}
+
+// The row's logsumexp from its logits.
+template <typename acc_t>
+NANFREE_HOT_LOOP acc_t row_lse(const acc_t* logits, int64_t n) {
+  using V = Vec<acc_t>;
+  const acc_t m = cpu::row_max(logits, n);
+  if (!std::isfinite(m)) {
+    // NaN, +inf or an empty row: the scalar state keeps NaN and the infinities' rules.
+    LseState<acc_t> state = lse_empty<acc_t>();
+    for (int64_t j = 0; j < n; ++j) lse_update(state, logits[j]);
+    return lse_value(state);
+  }
+  const V shift(m);
+  const acc_t sum = cpu::reduce_row<acc_t>(
+      n, acc_t(0), [](const V& a, const V& b) { return a + b; },
+      // -inf logits (excluded pairs) give exp(-inf) = 0; tail lanes are blended to 0.
+      [&](int64_t j, int64_t count) { return cpu::shifted_exp(V::loadu(logits + j, count) - shift); });
+  return m + std::log(sum);
+}
+
+struct CpuMnrTiles {
+  // 4M cosines (16 MB of float) per row kind: a block of 1024 rows against
+  // 4096 columns, GEMMs large enough for MKL and a block that stays small.
+  static constexpr int64_t kChunkEntries = int64_t(1) << 22;
+
+  static at::Tensor operand(const at::Tensor& matrix) {
+    return matrix.to(acc_dtype(matrix.scalar_type())).contiguous();
+  }
+
+  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
+    return at::mm(rows, columns.t());
+  }
+
+  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+    out.addmm_(a, b);
+  }
+
+  static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
+                        double hardness_strength, at::Tensor lse, at::Tensor positive_cos) {
+    AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_cpu", [&] {
+      const TileConstants<scalar_t> h(scale, hardness_strength, tile);
+      const scalar_t* c = cos.const_data_ptr<scalar_t>();
+      scalar_t* out = lse.mutable_data_ptr<scalar_t>();
+      scalar_t* pos = positive_cos.defined() ? positive_cos.mutable_data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> logits(tile.cols);
+        std::vector<int64_t> own(max_own_columns(tile));
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t g = tile.g0 + i;
+          const scalar_t* row = c + i * tile.cols;
+          row_logits(row, logits.data(), tile, g, h, own.data(), static_cast<int>(own.size()));
+          out[i] = row_lse(logits.data(), tile.cols);
+          // The positive is doc g, column g of the query row's first segment.
+          if (pos != nullptr) pos[i] = row[g];
+        }
+      });
+    });
+  }
+
+  static void row_grads(at::Tensor cos, const MnrTile& tile, const at::Tensor& scale,
+                        double hardness_strength, const at::Tensor& stats,
+                        const at::Tensor& upstream, bool per_direction, bool has_p_row,
+                        at::Tensor scale_grad) {
+    AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_grads_cpu", [&] {
+      using V = Vec<scalar_t>;
+      const TileConstants<scalar_t> h(scale, hardness_strength, tile);
+      scalar_t* c = cos.mutable_data_ptr<scalar_t>();
+      const scalar_t* st = stats.const_data_ptr<scalar_t>();
+      const scalar_t* up = upstream.const_data_ptr<scalar_t>();
+      scalar_t* sg = scale_grad.mutable_data_ptr<scalar_t>();
+      const bool query_row = tile.row_kind == kMnrRowQuery;
+      const scalar_t direction = mnr_direction_weight<scalar_t>(per_direction, has_p_row);
+      at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> logits(tile.cols);
+        const int max_own = max_own_columns(tile);
+        std::vector<int64_t> own(max_own);
+        std::vector<scalar_t> own_grad(max_own);
+        std::vector<scalar_t> own_cos(max_own);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t g = tile.g0 + i;
+          scalar_t* row = c + i * tile.cols;
+          const scalar_t lse_q = st[2 * i];
+          const scalar_t lse_p = st[2 * i + 1];
+          const scalar_t log_z = mnr_log_partition(lse_q, lse_p, per_direction, has_p_row);
+          const scalar_t normalizer =
+              mnr_normalizer(log_z, query_row ? lse_q : lse_p, per_direction);
+          const scalar_t upstream_i = up[i];
+          const scalar_t weight = upstream_i * direction;
+          const int count = row_logits(row, logits.data(), tile, g, h, own.data(), max_own);
+          scalar_t dot = 0;
+          if (!(std::isfinite(normalizer) && std::isfinite(weight))) {
+            // A NaN or infinite normalizer (NaN or infinite logits) or upstream:
+            // the header's rules entry by entry, which keep the NaN.
+            for (int64_t j = 0; j < tile.cols; ++j) {
+              const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
+                                               tile.owned_end, tile.hardness_mode);
+              const scalar_t dl = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream_i);
+              dot += dl * row[j];
+              row[j] = h.scale * dl;
+            }
+            sg[i] = dot;
+            continue;
+          }
+          // The own columns' exact gradients; the sweep then sees them as -inf
+          // (a gradient of exactly 0) and they are written back after it.
+          for (int k = 0; k < count; ++k) {
+            const int64_t j = own[k];
+            const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
+                                             tile.owned_end, tile.hardness_mode);
+            own_grad[k] = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream_i);
+            own_cos[k] = row[j];
+            logits[j] = -std::numeric_limits<scalar_t>::infinity();
+          }
+          const V shift(normalizer), w(weight), s(h.scale);
+          V acc(0);
+          int64_t j = 0;
+          for (; j + V::size() <= tile.cols; j += V::size()) {
+            // Every logit is at most the normalizer, so the shifted exp's
+            // argument is <= 0 (-inf for the own columns, whose exp is 0).
+            const V dl = w * cpu::shifted_exp(V::loadu(logits.data() + j) - shift);
+            acc = acc + dl * V::loadu(row + j);
+            (s * dl).store(row + j);
+          }
+          dot = at::vec::vec_reduce_all<scalar_t>([](V& a, V& b) { return a + b; }, acc);
+          for (; j < tile.cols; ++j) {
+            const scalar_t dl = weight * nf_exp(logits[j] - normalizer);
+            dot += dl * row[j];
+            row[j] = h.scale * dl;
+          }
+          for (int k = 0; k < count; ++k) {
+            row[own[k]] = h.scale * own_grad[k];
+            dot += own_grad[k] * own_cos[k];
+          }
+          sg[i] = dot;
+        }
+      });
+    });
+  }
+
+  static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
+                         const at::Tensor& scale, bool per_direction, bool has_p_row,
+                         at::Tensor loss) {
+    AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "nanfree_mnr_row_losses_cpu", [&] {
+      const scalar_t s = scale.item<scalar_t>();
+      const scalar_t* st = stats.const_data_ptr<scalar_t>();
+      const scalar_t* pos = positive_cos.const_data_ptr<scalar_t>();
+      scalar_t* out = loss.mutable_data_ptr<scalar_t>();
+      for (int64_t i = 0; i < loss.numel(); ++i) {
+        out[i] = mnr_row_loss(st[2 * i], st[2 * i + 1], pos[i], s, per_direction, has_p_row);
+      }
+    });
+  }
+};
+
+}  // namespace
+}  // namespace nanfree
+
+namespace nanfree {
+namespace {
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
+  m.impl("mnr_loss", &mnr_loss_kernel<CpuMnrTiles>);
+  m.impl("mnr_loss_backward", &mnr_loss_backward_kernel<CpuMnrTiles>);
+}
+
+}  // namespace nanfree

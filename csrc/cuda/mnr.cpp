@@ -1,0 +1,176 @@
+// CUDA registration of the MNR loss (mnr_loss, mnr_loss_backward): the chunked
+// driver of csrc/common/mnr_driver.h with cuBLAS GEMMs through ATen and the
+// tile kernels of mnr_kernels.cu (torch-free, behind mnr_kernels.h). The
+// scale tensor stays on the device (the kernels read it), so nothing here
+// waits for the GPU.
+//
+// Precision of the GEMMs. float and double operands are multiplied in their
+// own dtype (at::mm: cuBLAS sgemm / dgemm; TF32 only if the user allowed it
+// for float matmuls, as for any torch matmul). fp16 and bf16 operands stay in
+// their dtype, for the tensor cores, and the GEMMs return float32
+// (aten::mm.dtype, aten::addmm.dtype_out: products summed in float32): the
+// cosines are those of the half embeddings up to float32 rounding. The gradient GEMMs take the chunk of scale * dlogit (float32) cast
+// to the operands' dtype, saturated to its finite range (an inf there would
+// meet a 0 embedding entry: NaN), as torch's own half backward holds the
+// gradient of its logits; the sums stay float32. With a torch older than
+// 2.8 (no mm.dtype), half operands are converted to float32 up front.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/mnr_driver.h"
+#include "common/mnr_op.h"
+#include "cuda/aten_device_types.h"
+#include "cuda/mnr_kernels.h"
+#include "nanfree/mnr_math.h"
+
+// aten::mm.dtype (float32 output of fp16 / bf16 operands) exists from torch 2.8.
+#define NANFREE_MNR_MM_DTYPE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
+// aten::addmm.dtype_out accepts a float32 `self` (the accumulator itself) with
+// half operands since pytorch#167931 (late 2025; 2.11 is a safe bound); before,
+// `self` had to have the operands' dtype, so the product is added separately.
+#define NANFREE_MNR_ADDMM_DTYPE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11))
+
+namespace nanfree {
+namespace {
+
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+#if NANFREE_MNR_MM_DTYPE
+// The fp16 / bf16 GEMM operand of a float32 matrix `a` (the chunk of scale *
+// dlogit, or the transpose of a column slice of it): saturated and cast by
+// mnr_saturate_cast, in a's layout (a transposed view stays transposed).
+at::Tensor half_operand(const at::Tensor& a, at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.scalar_type() == at::kFloat);
+  bool transposed = false;
+  at::Tensor src = a;
+  if (!(a.stride(1) == 1 || a.size(1) <= 1)) {
+    transposed = a.stride(0) == 1 || a.size(0) <= 1;
+    src = transposed ? a.t() : a.contiguous();
+  }
+  at::Tensor dst = at::empty(src.sizes(), a.options().dtype(dtype));
+  const int64_t in_stride = src.size(0) > 1 ? src.stride(0) : src.size(1);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "nanfree_mnr_half_operand_cuda", [&] {
+    C10_CUDA_CHECK(gpu::mnr_saturate_cast(src.const_data_ptr<float>(), src.size(0), src.size(1),
+                                          in_stride, mutable_device_ptr<scalar_t>(dst), stream));
+  });
+  return transposed ? dst.t() : dst;
+}
+#endif
+
+// The tile kernels' workspace (mnr_workspace_size), or an undefined tensor.
+template <typename acc_t>
+at::Tensor workspace(const MnrTile& tile, const at::Tensor& like) {
+  const int64_t size = gpu::mnr_workspace_size<acc_t>(tile);
+  return size > 0 ? at::empty({size}, like.options()) : at::Tensor();
+}
+
+template <typename acc_t>
+acc_t* workspace_ptr(at::Tensor& ws) {
+  return ws.defined() ? ws.mutable_data_ptr<acc_t>() : nullptr;
+}
+
+struct CudaMnrTiles {
+  // 64M cosines per chunk (256 MB of float): e.g. 1024 rows against 65536
+  // columns. The chunk's rows are the inner dimension of the column-gradient
+  // GEMMs (out [cols, d] += chunk^T [cols, n] @ rows [n, d]), which read and
+  // write their float32 accumulator once per chunk: 2 n flops per 8 bytes,
+  // so n must be about 1000 before the tensor cores (about 300 flops per byte
+  // of H100 bandwidth) rather than that traffic set the pace.
+  static constexpr int64_t kChunkEntries = int64_t(1) << 26;
+
+  static at::Tensor operand(const at::Tensor& matrix) {
+#if NANFREE_MNR_MM_DTYPE
+    return matrix.contiguous();
+#else
+    return matrix.to(acc_dtype(matrix.scalar_type())).contiguous();
+#endif
+  }
+
+  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
+#if NANFREE_MNR_MM_DTYPE
+    if (is_half(rows.scalar_type())) return at::mm(rows, columns.t(), at::kFloat);
+#endif
+    return at::mm(rows, columns.t());
+  }
+
+  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+    if (!is_half(b.scalar_type())) {
+      out.addmm_(a, b);
+      return;
+    }
+#if NANFREE_MNR_MM_DTYPE
+    const at::Tensor a_half = half_operand(a, b.scalar_type());
+#if NANFREE_MNR_ADDMM_DTYPE
+    at::addmm_out(out, out, a_half, b, at::kFloat);
+#else
+    out.add_(at::mm(a_half, b, at::kFloat));
+#endif
+#else
+    TORCH_INTERNAL_ASSERT(false, "half operands are float32 (operand) without aten::mm.dtype");
+#endif
+  }
+
+  static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
+                        double hardness_strength, at::Tensor lse, at::Tensor positive_cos) {
+    TORCH_INTERNAL_ASSERT(cos.is_contiguous() && cos.size(0) == tile.rows &&
+                          cos.size(1) == tile.cols);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_cuda", [&] {
+      at::Tensor ws = workspace<scalar_t>(tile, cos);
+      scalar_t* pos = positive_cos.defined() ? positive_cos.mutable_data_ptr<scalar_t>() : nullptr;
+      C10_CUDA_CHECK(gpu::mnr_row_stats(cos.const_data_ptr<scalar_t>(), tile,
+                                        scale.const_data_ptr<scalar_t>(), hardness_strength,
+                                        lse.mutable_data_ptr<scalar_t>(), pos,
+                                        workspace_ptr<scalar_t>(ws), stream));
+    });
+  }
+
+  static void row_grads(at::Tensor cos, const MnrTile& tile, const at::Tensor& scale,
+                        double hardness_strength, const at::Tensor& stats,
+                        const at::Tensor& upstream, bool per_direction, bool has_p_row,
+                        at::Tensor scale_grad) {
+    TORCH_INTERNAL_ASSERT(cos.is_contiguous() && stats.is_contiguous() &&
+                          upstream.is_contiguous());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_grads_cuda", [&] {
+      at::Tensor ws = workspace<scalar_t>(tile, cos);
+      C10_CUDA_CHECK(gpu::mnr_row_grads(
+          cos.mutable_data_ptr<scalar_t>(), tile, scale.const_data_ptr<scalar_t>(),
+          hardness_strength, stats.const_data_ptr<scalar_t>(), upstream.const_data_ptr<scalar_t>(),
+          per_direction, has_p_row, scale_grad.mutable_data_ptr<scalar_t>(),
+          workspace_ptr<scalar_t>(ws), stream));
+    });
+  }
+
+  static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
+                         const at::Tensor& scale, bool per_direction, bool has_p_row,
+                         at::Tensor loss) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "nanfree_mnr_row_losses_cuda", [&] {
+      C10_CUDA_CHECK(gpu::mnr_row_losses(
+          stats.const_data_ptr<scalar_t>(), positive_cos.const_data_ptr<scalar_t>(),
+          scale.const_data_ptr<scalar_t>(), per_direction, has_p_row, loss.numel(),
+          loss.mutable_data_ptr<scalar_t>(), stream));
+    });
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+  m.impl("mnr_loss", &mnr_loss_kernel<CudaMnrTiles>);
+  m.impl("mnr_loss_backward", &mnr_loss_backward_kernel<CudaMnrTiles>);
+}
+
+}  // namespace nanfree

@@ -1,0 +1,246 @@
+"""Pure-PyTorch mnr_loss and mnr_loss_backward: the rules of
+csrc/include/nanfree/mnr_math.h written with torch ops (the header's names,
+the same order of operations), on row chunks so that no [B, M] matrix is
+ever held whole. The cores work on normalized rows; nanfree/_mnr_normalization.py
+wraps them into the ops, which take raw embeddings."""
+
+import torch
+
+from .._checks import acc_dtype
+from .._mnr_checks import (MnrProblem, check_mnr_loss, check_mnr_loss_backward,
+                           scaled_upstream, unscaled, upstream_per_row)
+from .._mnr_normalization import on_raw_embeddings
+
+# Column kinds (mnr_math.h).
+PLAIN, PENALIZED, EXCLUDED, POSITIVE = 0, 1, 2, 3
+HARDNESS_IN_BATCH, HARDNESS_HARD, HARDNESS_ALL = 1, 2, 3
+
+# Logit entries per chunk (a [chunk, columns] matrix of the accumulation dtype).
+CHUNK_ENTRIES = 1 << 22
+
+
+def mnr_doc_penalized(mode, g, j, r, owned_end):
+    """[rows, 1] g against [1, cols] j: whether doc j gets the hardness term."""
+    own = (j < owned_end) & (j % r == g)
+    if mode == HARDNESS_IN_BATCH:
+        return ~own
+    if mode == HARDNESS_HARD:
+        return own & (j >= r)
+    if mode == HARDNESS_ALL:
+        return j != g
+    return torch.zeros_like(own)
+
+
+def mnr_column_kind(row_kind_is_query, g, j, first_len, r, owned_end, hardness_mode):
+    if row_kind_is_query:
+        doc_kind = torch.where(mnr_doc_penalized(hardness_mode, g, j, r, owned_end),
+                               PENALIZED, PLAIN)
+        doc_kind = torch.where(j == g, POSITIVE, doc_kind)
+        # query_to_query: a query is not its own negative.
+        return torch.where(j < first_len, doc_kind,
+                           torch.where(j - first_len == g, EXCLUDED, PLAIN))
+    doc = j - first_len
+    # doc_to_doc: the docs of the positive's own query are not its negatives.
+    own = (j >= first_len) & (doc < owned_end) & (doc % r == g)
+    return torch.where(own, EXCLUDED, PLAIN)
+
+
+def mnr_logit(cos, kind, scale, hardness_strength):
+    logit = scale * cos
+    logit = torch.where(kind == PENALIZED, logit + hardness_strength * cos, logit)
+    # An excluded pair takes no part in its row's logsumexp (exp(-inf) = 0).
+    return torch.where(kind == EXCLUDED, float("-inf"), logit)
+
+
+def lse_scale(a, b):
+    # exp(a - b) for a <= b; equal arguments (two infinities) give exactly 1.
+    return torch.where(a == b, 1.0, torch.exp(a - b))
+
+
+def mnr_log_partition(lse_q, lse_p, per_direction, has_p_row):
+    if per_direction:
+        return (lse_q + lse_p) / 2 if has_p_row else lse_q
+    m = torch.maximum(lse_q, lse_p)
+    # logaddexp; lse_scale keeps two equal (or two infinite) values at exp(0).
+    return m + torch.log(lse_scale(lse_q, m) + lse_scale(lse_p, m))
+
+
+def mnr_logit_grad(logit, kind, normalizer, weight, upstream):
+    p = weight * lse_scale(logit, normalizer)
+    p = torch.where(kind == POSITIVE, p - upstream, p)
+    # An excluded pair has no gradient (exp(-inf - -inf) would be NaN).
+    return torch.where(kind == EXCLUDED, 0.0, p)
+
+
+def _row_lse(logits):
+    m = logits.amax(dim=1, keepdim=True)
+    # An all -inf row (every pair excluded) is the empty set: -inf, not NaN.
+    m = torch.where(m == float("-inf"), 0.0, m)
+    # A NaN logit (a NaN embedding) keeps its row NaN: amax propagates it.
+    return (m + torch.log(lse_scale(logits, m).sum(dim=1, keepdim=True))).squeeze(1)
+
+
+class _Columns:
+    """The columns of one row kind: the embeddings, as one acc-dtype matrix."""
+
+    def __init__(self, problem, row_kind_is_query, queries, docs):
+        self.is_query = row_kind_is_query
+        parts = []
+        if row_kind_is_query:
+            parts.append(docs)
+            if problem.query_to_query:
+                parts.append(queries)
+            self.first_len = docs.shape[0]
+        else:
+            if problem.doc_to_query:
+                parts.append(queries)
+            if problem.doc_to_doc:
+                parts.append(docs)
+            self.first_len = queries.shape[0] if problem.doc_to_query else 0
+        self.parts = parts
+        self.matrix = torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def kinds(self, problem, g):
+        j = torch.arange(self.matrix.shape[0], device=g.device)[None, :]
+        first = self.first_len
+        return mnr_column_kind(self.is_query, g[:, None], j, first, problem.r,
+                               problem.owned_end, problem.hardness_mode)
+
+    def split(self, grad):
+        """The column gradient [columns, d] as (grad of queries, grad of docs)."""
+        sizes = [p.shape[0] for p in self.parts]
+        pieces = list(torch.split(grad, sizes))
+        if self.is_query:
+            return (pieces[1] if len(pieces) > 1 else None), pieces[0]
+        q = pieces.pop(0) if self.parts and self.first_len else None
+        return q, (pieces[0] if pieces else None)
+
+
+def _scale(problem, scale, scale_value, acc, device):
+    if scale is None:
+        return torch.tensor(scale_value, dtype=acc, device=device)
+    return scale.reshape(()).to(acc)
+
+
+def _row_chunks(problem, columns):
+    width = sum(c.matrix.shape[0] for c in columns)
+    step = max(1, min(problem.rows, CHUNK_ENTRIES // max(width, 1)))
+    return range(0, problem.rows, step), step
+
+
+def _forward_chunk(problem, sets, g, scale, hs):
+    """Logits and logsumexps of rows g (global) for each row kind."""
+    out = []
+    for rows, cols in sets:
+        cos = rows[g] @ cols.matrix.T
+        kind = cols.kinds(problem, g)
+        logit = mnr_logit(cos, kind, scale, hs)
+        out.append((cos, kind, logit, _row_lse(logit)))
+    return out
+
+
+def _sets(problem, queries, docs, acc):
+    q = queries.to(acc)
+    d = docs.to(acc)
+    sets = [(q, _Columns(problem, True, q, d))]
+    if problem.has_p_row:
+        sets.append((d, _Columns(problem, False, q, d)))
+    return q, d, sets
+
+
+def _reduce(problem, loss_rows):
+    if problem.reduction == 1:
+        return loss_rows.sum() / problem.rows
+    if problem.reduction == 2:
+        return loss_rows.sum()
+    return loss_rows
+
+
+def _gradients(problem, queries, docs, scale_t, want_scale, stats, upstream):
+    """d loss / d (normalized queries, normalized docs, scale), in the
+    accumulation dtype, for per-row upstream gradients."""
+    acc = stats.dtype
+    upstream, factor = scaled_upstream(upstream, acc)
+    q, d, sets = _sets(problem, queries, docs, acc)
+    hs = problem.hardness_strength
+    grad_q = torch.zeros_like(q)
+    grad_d = torch.zeros_like(d)
+    grad_s = torch.zeros((), dtype=acc, device=q.device)
+    chunks, step = _row_chunks(problem, [c for _, c in sets])
+    weight_factor = 0.5 if problem.per_direction and problem.has_p_row else 1.0
+    for start in chunks:
+        local = torch.arange(start, min(start + step, problem.rows), device=q.device)
+        g = local + problem.offset
+        lse_q = stats[local, 0]
+        lse_p = stats[local, 1]
+        log_z = mnr_log_partition(lse_q, lse_p, problem.per_direction, problem.has_p_row)
+        up = upstream[local]
+        weight = up * weight_factor
+        for (rows, cols), (cos, kind, logit, _), lse in zip(
+                sets, _forward_chunk(problem, sets, g, scale_t, hs), (lse_q, lse_p)):
+            normalizer = lse if problem.per_direction else log_z
+            dlogit = mnr_logit_grad(logit, kind, normalizer[:, None], weight[:, None],
+                                    up[:, None])
+            grad_s = grad_s + (dlogit * cos).sum()
+            ds = scale_t * dlogit
+            grad_rows = ds @ cols.matrix
+            (grad_q if cols.is_query else grad_d).index_add_(0, g, grad_rows)
+            cq, cd = cols.split(ds.T @ rows[g])
+            if cq is not None:
+                grad_q += cq
+            if cd is not None:
+                grad_d += cd
+    grad_s = unscaled(grad_s, factor) if want_scale else grad_q.new_empty((0,))
+    return unscaled(grad_q, factor), unscaled(grad_d, factor), grad_s
+
+
+def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+                         directions, per_direction, hardness_mode, hardness_strength, reduction,
+                         grad):
+    problem = check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+                             directions, per_direction, hardness_mode, hardness_strength,
+                             reduction)
+    acc = acc_dtype(queries.dtype)
+    scale_t = _scale(problem, scale, scale_value, acc, queries.device)
+    q, d, sets = _sets(problem, queries, docs, acc)
+    stats = torch.full((rows, 2), float("-inf"), dtype=acc, device=queries.device)
+    loss_rows = torch.empty((rows,), dtype=acc, device=queries.device)
+    chunks, step = _row_chunks(problem, [c for _, c in sets])
+    for start in chunks:
+        local = torch.arange(start, min(start + step, rows), device=q.device)
+        g = local + offset
+        results = _forward_chunk(problem, sets, g, scale_t, problem.hardness_strength)
+        for k, (_, _, _, lse) in enumerate(results):
+            stats[local, k] = lse
+        # The positive's logit, picked from the query row's tile (column g).
+        positive = scale_t * results[0][0].gather(1, g[:, None]).squeeze(1)
+        log_z = mnr_log_partition(stats[local, 0], stats[local, 1], per_direction,
+                                  problem.has_p_row)
+        loss_rows[local] = log_z - positive
+    loss = _reduce(problem, loss_rows)
+    if not grad:
+        # Three distinct empty tensors: outputs of an op may not alias.
+        return (loss, stats, queries.new_empty((0,)), queries.new_empty((0,)),
+                queries.new_empty((0,), dtype=acc))
+    upstream = upstream_per_row(problem, torch.ones_like(loss))
+    gq, gd, gs = _gradients(problem, queries, docs, scale_t, scale is not None, stats,
+                            upstream)
+    return loss, stats, gq, gd, gs
+
+
+def _mnr_loss_backward_normalized(grad_loss, queries, docs, scale, scale_value, stats, offset,
+                                  rows, owned_blocks, directions, per_direction, hardness_mode,
+                                  hardness_strength, reduction):
+    problem = check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats,
+                                      offset, rows, owned_blocks, directions, per_direction,
+                                      hardness_mode, hardness_strength, reduction)
+    acc = stats.dtype
+    scale_t = _scale(problem, scale, scale_value, acc, queries.device)
+    upstream = upstream_per_row(problem, grad_loss.to(acc))
+    return _gradients(problem, queries, docs, scale_t, scale is not None, stats, upstream)
+
+
+mnr_loss, mnr_loss_backward = on_raw_embeddings(
+    _mnr_loss_normalized, _mnr_loss_backward_normalized, check_mnr_loss, check_mnr_loss_backward)
+
+__all__ = ["mnr_loss", "mnr_loss_backward", "MnrProblem"]
