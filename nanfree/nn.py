@@ -1,10 +1,17 @@
-"""Modules wrapping nanfree.ops, drop-in for their torch.nn counterparts."""
+"""Modules wrapping nanfree.ops, drop-in for their torch.nn counterparts (and,
+for the MNR losses, for sentence-transformers' loss modules)."""
+
+import functools
+import math
+import sys
+import warnings
 
 import torch
 
 from . import ops
 
-__all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling"]
+__all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
+           "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
 
 
 class _OverDim(torch.nn.Module):
@@ -86,3 +93,365 @@ class GeMTokenPooling(torch.nn.Module):
     def extra_repr(self) -> str:
         p = self.p.item() if isinstance(self.p, torch.Tensor) else self.p
         return f"p={p:.4f}, eps={self.eps}"
+
+
+# --- MNR (multiple negatives ranking / InfoNCE) losses ----------------------------
+
+_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+_HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def _check_mnr_config(scale, directions, partition_mode, hardness_mode, hardness_strength):
+    """The constructor checks of sentence-transformers' MultipleNegativesRankingLoss
+    (same exception type, same meaning); returns the directions as a tuple."""
+    if not scale > 0:  # also refuses a NaN scale
+        raise ValueError(f"scale must be positive, got {scale}")
+    if isinstance(directions, str):
+        raise ValueError(f"directions must be a tuple of direction names, got the string "
+                         f"{directions!r}; write ({directions!r},)")
+    directions = tuple(directions)
+    if not directions:
+        raise ValueError("directions is empty: give at least 'query_to_doc'")
+    unknown = [d for d in directions if d not in _DIRECTIONS]
+    if unknown:
+        raise ValueError(f"unknown directions {unknown}; the directions are {list(_DIRECTIONS)}")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc', the direction that scores "
+                         "each query's positive")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode is 'joint' or 'per_direction', got {partition_mode!r}")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError("partition_mode='per_direction' needs the positive pair among the "
+                         "candidates of every direction, and 'query_to_query' / 'doc_to_doc' "
+                         "never hold it; use partition_mode='joint' with these directions")
+    if hardness_mode not in _HARDNESS_MODES:
+        raise ValueError(f"hardness_mode must be one of {list(_HARDNESS_MODES)}, got "
+                         f"{hardness_mode!r}")
+    if not hardness_strength >= 0.0:  # also refuses NaN
+        raise ValueError(f"hardness_strength must be non-negative, got {hardness_strength}")
+    if hardness_mode is not None and hardness_strength == 0.0:
+        warnings.warn(f"hardness_mode={hardness_mode!r} has no effect with hardness_strength=0.0; "
+                      "give hardness_strength a positive value to weight hard negatives",
+                      UserWarning, stacklevel=3)
+    return directions
+
+
+def _unique(directions):
+    return tuple(dict.fromkeys(directions))
+
+
+def _is_cosine(similarity_fct):
+    """Whether `similarity_fct` is a cosine-similarity matrix function the fused
+    loss computes itself: nanfree.ops.cos_sim or sentence_transformers.util.cos_sim
+    (looked up only if sentence-transformers is already imported: a user who
+    passes its cos_sim has imported it)."""
+    if similarity_fct is ops.cos_sim:
+        return True
+    st_util = sys.modules.get("sentence_transformers.util")
+    return st_util is not None and similarity_fct is getattr(st_util, "cos_sim", None)
+
+
+def _similarity_name(similarity_fct):
+    """The config-dict name of a similarity function: sentence-transformers' own
+    rendering when it is imported, else the function's name (with a partial's
+    keywords)."""
+    st_util = sys.modules.get("sentence_transformers.util")
+    render = getattr(st_util, "similarity_fct_name", None)
+    if render is not None:
+        return render(similarity_fct)
+    if isinstance(similarity_fct, functools.partial):
+        name = getattr(similarity_fct.func, "__name__", type(similarity_fct.func).__name__)
+        keywords = ", ".join(f"{k}={v!r}" for k, v in similarity_fct.keywords.items())
+        return f"{name}({keywords})" if keywords else name
+    return getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
+
+
+def _gather_with_grad(t):
+    """Every rank's rows of `t`, concatenated in rank order; gradients flow back to
+    the rank that owns the rows. Without an initialized process group, `t` itself."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return ops._gather_with_grad(t)
+    return t
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _composed_mnr_loss(similarity_fct, queries, docs, scale, directions, partition_mode,
+                       hardness_mode, hardness_strength, gather_across_devices):
+    """The MNR loss with an arbitrary similarity function, computed whole as
+    sentence-transformers does (full similarity matrices, torch.logsumexp): the
+    fallback for a similarity the fused kernels do not compute. `docs` is the list
+    of document columns (positives first), each with the rows of `queries`."""
+    b = queries.shape[0]
+    offset = 0
+    if gather_across_devices:
+        queries = _gather_with_grad(queries)
+        docs = [_gather_with_grad(d) for d in docs]
+        offset = _rank() * b
+    r = queries.shape[0]
+    candidates = torch.cat(docs, dim=0)
+    device = queries.device
+    g = torch.arange(offset, offset + b, device=device)
+    j = torch.arange(candidates.shape[0], device=device)
+    own = (j[None, :] % r) == g[:, None]  # the query's positive and its hard negatives
+    local_queries, local_positives = queries[offset:offset + b], docs[0][offset:offset + b]
+
+    sims = {"query_to_doc": similarity_fct(local_queries, candidates)}
+    excluded = {}
+    if "query_to_query" in directions:
+        sims["query_to_query"] = similarity_fct(local_queries, queries)
+        excluded["query_to_query"] = j[None, :r] == g[:, None]
+    if "doc_to_query" in directions:
+        sims["doc_to_query"] = similarity_fct(queries, local_positives).T
+    if "doc_to_doc" in directions:
+        sims["doc_to_doc"] = similarity_fct(candidates, local_positives).T
+        excluded["doc_to_doc"] = own
+    penalty = None
+    if hardness_mode is not None and hardness_strength > 0.0:
+        if hardness_mode == "in_batch_negatives":
+            penalized = ~own
+        elif hardness_mode == "hard_negatives":
+            penalized = own & (j[None, :] >= r)
+        else:  # all_negatives
+            penalized = j[None, :] != g[:, None]
+        penalty = (hardness_strength * sims["query_to_doc"].detach()) * penalized
+
+    # Excluded pairs are masked after scaling: -inf * a tensor scale would give the
+    # scale a NaN gradient.
+    logits = {k: v * scale for k, v in sims.items()}
+    for k, mask in excluded.items():
+        logits[k] = logits[k].masked_fill(mask, float("-inf"))
+    if penalty is not None:
+        logits["query_to_doc"] = logits["query_to_doc"] + penalty
+    positive = logits["query_to_doc"][torch.arange(b, device=device), g]
+    if partition_mode == "joint":
+        log_z = torch.logsumexp(torch.cat(list(logits.values()), dim=1), dim=1)
+    else:
+        log_z = sum(torch.logsumexp(v, dim=1) for v in logits.values()) / len(logits)
+    return (log_z - positive).mean()
+
+
+_EMBED_COLUMNS = []  # [sentence-transformers' embed_columns, or None], looked up once
+
+
+def _embed_columns(model, sentence_features):
+    """One sentence embedding per input column, as sentence-transformers' losses
+    embed them (its embed_columns shares one forward pass among like columns, where
+    that version has it; else one forward per column)."""
+    if not _EMBED_COLUMNS:
+        try:
+            from sentence_transformers.base.losses.merged_forward import embed_columns
+        except ImportError:
+            embed_columns = None
+        _EMBED_COLUMNS.append(embed_columns)
+    if _EMBED_COLUMNS[0] is not None:
+        return _EMBED_COLUMNS[0](model, sentence_features)
+    return [model(features)["sentence_embedding"] for features in sentence_features]
+
+
+_CITATION_CPC = """
+@misc{oord2018cpc,
+    title = {Representation Learning with Contrastive Predictive Coding},
+    author = {Aaron van den Oord and Yazhe Li and Oriol Vinyals},
+    year = {2018},
+    eprint = {1807.03748},
+    archivePrefix = {arXiv},
+    url = {https://arxiv.org/abs/1807.03748},
+}
+"""
+_CITATION_JINA2 = """
+@misc{guenther2023jina2,
+    title = {Jina Embeddings 2: 8192-Token General-Purpose Text Embeddings for Long Documents},
+    author = {Michael G{\\"u}nther and Jackmin Ong and Isabelle Mohr and Alaeddine Abdessalem and
+              Tanguy Abel and Mohammad Kalim Akram and Susana Guzman and Georgios Mastrapas and
+              Saba Sturua and Bo Wang and Maximilian Werk and Nan Wang and Han Xiao},
+    year = {2023},
+    eprint = {2310.19923},
+    archivePrefix = {arXiv},
+    url = {https://arxiv.org/abs/2310.19923},
+}
+"""
+_CITATION_GTE = """
+@misc{li2023gte,
+    title = {Towards General Text Embeddings with Multi-stage Contrastive Learning},
+    author = {Zehan Li and Xin Zhang and Yanzhao Zhang and Dingkun Long and Pengjun Xie and
+              Meishan Zhang},
+    year = {2023},
+    eprint = {2308.03281},
+    archivePrefix = {arXiv},
+    url = {https://arxiv.org/abs/2308.03281},
+}
+"""
+
+
+class MultipleNegativesRankingLoss(torch.nn.Module):
+    """Drop-in for sentence-transformers' ``MultipleNegativesRankingLoss`` (6.2):
+    same constructor, checks, ``forward(sentence_features, labels)``,
+    ``compute_loss_from_embeddings``, ``get_config_dict``, ``temperature`` and
+    ``citation``, so it works with ``SentenceTransformerTrainer`` and
+    ``SentenceTransformer.fit``; the loss is ``nanfree.ops.mnr_loss``: fused, no
+    ``[B, B(1+k)]`` matrix stored, no NaN.
+
+    The input columns are (anchor, positive, negative_1, ..., negative_k): the
+    anchors are the queries, the positives the documents they are scored against
+    with every other document of the batch, and the negatives extra documents
+    (each query's own hard negatives, seen by every query).
+
+    ``similarity_fct``: the fused loss scores cosine similarity, so it serves
+    ``nanfree.ops.cos_sim`` (the default) and ``sentence_transformers.util.cos_sim``.
+    Any other function (a dot product, say) is computed as sentence-transformers
+    computes it, with whole similarity matrices, and a ``UserWarning`` says so once
+    per loss instance. A ``hardness_mode`` with ``hardness_strength=0`` also gives a
+    ``UserWarning`` (sentence-transformers logs it), at construction.
+    ``scale`` may be a tensor (a learnable temperature); its gradient is computed.
+    sentence-transformers itself is optional: it is imported only by ``forward``
+    (for its column embedding), never by ``import nanfree.nn``.
+    """
+
+    def __init__(self, model, scale=20.0, similarity_fct=ops.cos_sim,
+                 gather_across_devices=False, directions=("query_to_doc",),
+                 partition_mode="joint", hardness_mode=None, hardness_strength=0.0):
+        super().__init__()
+        self.model = model
+        self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
+                                            hardness_strength)
+        self.scale = scale
+        self.similarity_fct = similarity_fct
+        self.gather_across_devices = gather_across_devices
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = hardness_strength
+        self._warned_composed = False
+
+    def forward(self, sentence_features, labels=None):
+        embeddings = _embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    def compute_loss_from_embeddings(self, embeddings, labels=None):
+        """The loss of the column embeddings ``[anchors, positives, negatives...]``
+        (each ``[B, d]``); ``labels`` is unused."""
+        embeddings = list(embeddings)
+        if len(embeddings) < 2:
+            raise ValueError(f"MNR loss needs at least 2 embedding columns (anchors and "
+                             f"positives), got {len(embeddings)}")
+        if not _is_cosine(self.similarity_fct):
+            if not self._warned_composed:
+                self._warned_composed = True
+                warnings.warn(f"nanfree MNR loss: similarity_fct "
+                              f"{_similarity_name(self.similarity_fct)!r} is not cosine "
+                              "similarity, so the loss is computed unfused, as "
+                              "sentence-transformers computes it (whole similarity matrices)",
+                              UserWarning, stacklevel=2)
+            return _composed_mnr_loss(self.similarity_fct, embeddings[0], embeddings[1:],
+                                      self.scale, self.directions, self.partition_mode,
+                                      self.hardness_mode, self.hardness_strength,
+                                      self.gather_across_devices)
+        negatives = torch.stack(embeddings[2:], dim=1) if len(embeddings) > 2 else None
+        return ops.mnr_loss(embeddings[0], embeddings[1], negatives, scale=self.scale,
+                            directions=_unique(self.directions),
+                            partition_mode=self.partition_mode,
+                            hardness_mode=self.hardness_mode,
+                            hardness_strength=self.hardness_strength,
+                            reduction="mean",
+                            gather_across_devices=self.gather_across_devices)
+
+    def get_config_dict(self):
+        return {
+            "scale": self.scale,
+            "similarity_fct": _similarity_name(self.similarity_fct),
+            "gather_across_devices": self.gather_across_devices,
+            "directions": self.directions,
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
+        }
+
+    @property
+    def temperature(self):
+        return 1.0 / self.scale
+
+    @property
+    def citation(self):
+        directions, joint = set(self.directions), self.partition_mode == "joint"
+        if directions == set(_DIRECTIONS) and joint:
+            return _CITATION_GTE
+        if directions == {"query_to_doc", "doc_to_query"} and not joint:
+            return _CITATION_JINA2
+        return _CITATION_CPC
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """Drop-in for sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``:
+    :class:`MultipleNegativesRankingLoss` with
+    ``directions=("query_to_doc", "doc_to_query")``, ``partition_mode="per_direction"``
+    (the mean of the query-to-document and document-to-query losses)."""
+
+    def __init__(self, model, scale=20.0, similarity_fct=ops.cos_sim,
+                 gather_across_devices=False):
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                         gather_across_devices=gather_across_devices,
+                         directions=("query_to_doc", "doc_to_query"),
+                         partition_mode="per_direction")
+
+
+class MNRLoss(torch.nn.Module):
+    """The MNR (InfoNCE) loss of embeddings, without a model:
+    ``forward(queries, positives, negatives=None)`` is ``nanfree.ops.mnr_loss`` with
+    this module's settings (see it for the arguments).
+
+    ``learnable_scale=True`` makes the scale a parameter, kept as its logarithm as
+    CLIP keeps its logit scale (``log_scale``, initialized to ``log(scale)``; the
+    scale used is ``log_scale.exp()``, always positive, unclamped). ``scale`` then
+    reads the current value as a float."""
+
+    def __init__(self, scale=20.0, *, symmetric=False, directions=("query_to_doc",),
+                 partition_mode="joint", hardness_mode=None, hardness_strength=0.0,
+                 reduction="mean", gather_across_devices=False, learnable_scale=False):
+        super().__init__()
+        if symmetric:
+            directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
+        self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
+                                            hardness_strength)
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction is 'mean', 'sum' or 'none', got {reduction!r}")
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = hardness_strength
+        self.reduction = reduction
+        self.gather_across_devices = gather_across_devices
+        if learnable_scale:
+            if not math.isfinite(float(scale)):
+                raise ValueError(f"scale must be finite, got {scale}")
+            self.log_scale = torch.nn.Parameter(torch.tensor(math.log(float(scale))))
+        else:
+            self.log_scale = None
+            self._scale = scale
+
+    @property
+    def scale(self):
+        if self.log_scale is not None:
+            return self.log_scale.detach().exp().item()
+        return self._scale
+
+    def forward(self, queries, positives, negatives=None):
+        scale = self.log_scale.exp() if self.log_scale is not None else self._scale
+        return ops.mnr_loss(queries, positives, negatives, scale=scale,
+                            directions=_unique(self.directions),
+                            partition_mode=self.partition_mode,
+                            hardness_mode=self.hardness_mode,
+                            hardness_strength=self.hardness_strength,
+                            reduction=self.reduction,
+                            gather_across_devices=self.gather_across_devices)
+
+    def extra_repr(self):
+        learnable = ", learnable_scale=True" if self.log_scale is not None else ""
+        return (f"scale={self.scale:g}{learnable}, directions={self.directions}, "
+                f"partition_mode={self.partition_mode!r}, hardness_mode={self.hardness_mode!r}, "
+                f"hardness_strength={self.hardness_strength}, reduction={self.reduction!r}, "
+                f"gather_across_devices={self.gather_across_devices}")

@@ -4,6 +4,9 @@
 #   present (so the CUDA extension can be compiled), else the CPU build.
 # - triton, numpy, ninja, pytest, hypothesis, matplotlib (the benchmark's plots):
 #   installed when missing.
+# - sentence-transformers 6.2 with its training extras (datasets, accelerate):
+#   the MNR loss's parity reference and an optional integration of nanfree.nn,
+#   installed when missing for the parity and trainer tests.
 # - nanfree itself: built in place (C++ CPU extension always; CUDA extension when
 #   torch has CUDA and nvcc is found, also without a GPU).
 set -euo pipefail
@@ -26,6 +29,7 @@ done
 if ((${#missing[@]})); then
   "$PYTHON" -m pip install -q "${missing[@]}"
 fi
+{ has sentence_transformers && has datasets && has accelerate; } || "$PYTHON" -m pip install -q "sentence-transformers[train]==6.2.*"
 # Build against the installed torch (an isolated build would fetch its own).
 MAX_JOBS="${MAX_JOBS:-2}" "$PYTHON" setup.py build_ext --inplace
 "$PYTHON" -c "import nanfree, json; print(json.dumps(nanfree.backend_info(), indent=1))"
