@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh) and runs the benchmark suite on the GPU
 # if there is one, else on the CPU: every op family, one after the other
-# (benchmarks/bench_softmax.py, benchmarks/bench_cosine.py, then
-# benchmarks/bench_gem.py), each writing
+# (benchmarks/bench_softmax.py, benchmarks/bench_cosine.py,
+# benchmarks/bench_gem.py, then benchmarks/bench_mnr.py), each writing
 # benchmarks/results/<machine>/<family>.{csv,md,png}. `--full` runs the full
-# sweep, `--quick` a smoke run; `--family softmax` (or cosine or gem; repeatable)
-# runs only that family; other arguments go to each family's script.
+# sweep, `--quick` a smoke run; `--family softmax` (or cosine, gem or mnr;
+# repeatable) runs only that family; other arguments go to each family's script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -13,12 +13,12 @@ families=()
 args=()
 while (($#)); do
   case "$1" in
-    --family) families+=("${2:?--family needs a name: softmax, cosine or gem}"); shift 2 ;;
+    --family) families+=("${2:?--family needs a name: softmax, cosine, gem or mnr}"); shift 2 ;;
     --family=*) families+=("${1#--family=}"); shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
-((${#families[@]})) || families=(softmax cosine gem)
+((${#families[@]})) || families=(softmax cosine gem mnr)
 for family in "${families[@]}"; do
   [[ -f "benchmarks/bench_$family.py" ]] || { echo "bench.sh: no benchmark for family '$family'" >&2; exit 2; }
 done
