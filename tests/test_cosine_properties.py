@@ -327,6 +327,23 @@ def test_half_gradient_range(device):
     assert torch.isfinite(d2).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gradient_beyond_range_saturates(device, dtype):
+    """float32 and float64 gradients saturate as half ones do: an upstream gradient
+    of finfo.max through a vector of norm 1e-3 is 1000 * finfo.max exactly, which
+    comes back as finfo.max (not inf) from every backend."""
+    big = torch.finfo(dtype).max
+    x = torch.tensor([[1e-3, 0.0]], dtype=dtype, device=device, requires_grad=True)
+    (dx,) = torch.autograd.grad(nf.normalize(x), x,
+                                torch.tensor([[0.0, big]], dtype=dtype, device=device))
+    assert dx.tolist() == [[0.0, big]]
+    x2 = torch.tensor([[0.0, 1.0]], dtype=dtype, device=device, requires_grad=True)
+    c = nf.cosine_similarity(x, x2)
+    d1, d2 = torch.autograd.grad(c, (x, x2), torch.full_like(c, big))
+    assert d1.tolist() == [[0.0, big]]
+    assert torch.isfinite(d2).all()
+
+
 @st.composite
 def _nan_batches(draw, count):
     """A batch of finite extreme rows and the same batch with NaN put into some

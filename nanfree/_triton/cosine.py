@@ -281,8 +281,11 @@ def _store_gradient(ptr, offs, x, mask):
         store_rounded(ptr, offs, saturate_gradient(x, 65504.0), mask)
     elif ptr.dtype.element_ty == tl.bfloat16:
         store_rounded(ptr, offs, saturate_gradient(x, 3.3895313892515355e38), mask)
-    else:  # float32 and float64 gradients are computed in their own dtype
-        store_rounded(ptr, offs, x, mask)
+    elif ptr.dtype.element_ty == tl.float32:
+        store_rounded(ptr, offs, saturate_gradient(x, 3.4028234663852886e38), mask)
+    else:  # float64: its largest finite value, held as a float64
+        store_rounded(ptr, offs, saturate_gradient(x, tl.full([], 1.7976931348623157e308,
+                                                              tl.float64)), mask)
 
 
 @triton.jit
