@@ -149,4 +149,5 @@ def unscaled(grad, factor, dtype=None):
     dtype = grad.dtype if dtype is None else dtype
     big = torch.finfo(dtype).max
     wide = torch.promote_types(grad.dtype, dtype)  # holds both grad and the bound
-    return (grad.to(wide) * factor).clamp(-big, big).to(dtype)
+    # Clamped in place: the product is a fresh tensor, and no second copy is held.
+    return (grad.to(wide) * factor).clamp_(-big, big).to(dtype)

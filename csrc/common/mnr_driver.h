@@ -43,6 +43,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/cosine_op.h"
@@ -235,10 +236,9 @@ class MnrChunked {
         acc_ == at::kFloat ? 3.4028234663852886e38 : std::numeric_limits<double>::max();
     at::Tensor out[2];
     for (int i = 0; i < 2; ++i) {
-      at::Tensor g = grads_[i];
-      grads_[i] = at::Tensor();
-      if (upstream_factor_.defined()) g = g * upstream_factor_;
-      g = g.clamp(-big, big);
+      at::Tensor g = std::move(grads_[i]);  // in place from here: no second copy is held
+      if (upstream_factor_.defined()) g.mul_(upstream_factor_);
+      g.clamp_(-big, big);
       // d loss / d normalized row, then through the normalization.
       out[i] = normalize_backward.call(g.to(dtype_), normalized_[i], norm_stats_[i]);
       normalized_[i] = at::Tensor();
