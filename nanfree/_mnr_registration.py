@@ -70,11 +70,16 @@ def _setup_context(ctx, inputs, output):
     else:
         ctx.save_for_backward(queries, docs, scale, stats)
     ctx.mark_non_differentiable(stats, grad_queries, grad_docs, grad_scale)
+    # The other outputs never receive a gradient: no zero tensors of their sizes.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_loss, *unused):
     if torch.is_grad_enabled():
         raise RuntimeError("nanfree.mnr_loss: double backward is not supported")
+    if grad_loss is None:
+        # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
+        return (None,) * (3 + len(_CONFIG) + 1)
     if ctx.precomputed:
         # The gradients of an upstream 1 (a scalar loss): scaled, not recomputed.
         grad_queries, grad_docs, grad_scale = ctx.saved_tensors

@@ -346,3 +346,20 @@ def test_backward_saves_nothing_of_the_logit_size(device, reduction, directions)
     ref = composed_mnr_loss(*cpu[:3], scale=cpu[3], directions=directions, reduction=reduction)
     for got, want in zip(grads, torch.autograd.grad(ref.sum(), cpu)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_backward_allocates_each_gradient_once():
+    # With a reduced loss the forward already holds the gradients of an
+    # upstream 1; the backward's only sizable allocations are the gradients it
+    # returns (scaled and saturated in place; no zero gradients materialized for
+    # the op's other outputs).
+    gen = torch.Generator().manual_seed(0)
+    q, p = (torch.randn(64, 32, generator=gen).requires_grad_(True) for _ in range(2))
+    loss = nf.mnr_loss(q, p)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        grads = torch.autograd.grad(loss, (q, p))
+    allocated = sum(e.self_cpu_memory_usage for e in prof.events()
+                    if e.self_cpu_memory_usage > 0)
+    gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
+    assert gradient_bytes <= allocated <= 1.25 * gradient_bytes, (allocated, gradient_bytes)
