@@ -112,6 +112,21 @@ def check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats,
     return problem
 
 
+def reduce_loss(problem, loss_rows):
+    """The loss of the problem's reduction from the local rows' losses [rows]."""
+    if problem.reduction == REDUCTION_MEAN:
+        return loss_rows.sum() / problem.rows
+    if problem.reduction == REDUCTION_SUM:
+        return loss_rows.sum()
+    return loss_rows
+
+
+def no_gradients(queries, acc):
+    """mnr_loss's gradient outputs without `grad`: three distinct empty tensors
+    (outputs of an op may not alias)."""
+    return queries.new_empty((0,)), queries.new_empty((0,)), queries.new_empty((0,), dtype=acc)
+
+
 def upstream_per_row(problem, grad_loss):
     """Each local row's upstream gradient [rows] from the loss's gradient."""
     if problem.reduction == REDUCTION_MEAN:

@@ -14,7 +14,8 @@ logsumexps. Double backward is refused."""
 import torch
 
 from ._checks import acc_dtype
-from ._mnr_checks import STATS, check_mnr_loss, check_mnr_loss_backward, loss_shape, unscaled
+from ._mnr_checks import (STATS, check_mnr_loss, check_mnr_loss_backward, loss_shape,
+                          no_gradients, unscaled)
 
 FORWARD_OPS = ("mnr_loss",)
 BACKWARD_OPS = ("mnr_loss_backward",)
@@ -23,8 +24,7 @@ OPS = FORWARD_OPS + BACKWARD_OPS
 
 def _fake_grads(queries, docs, scale, acc, grad):
     if not grad:
-        # Three distinct empty tensors: outputs of an op may not alias.
-        return queries.new_empty((0,)), queries.new_empty((0,)), queries.new_empty((0,), dtype=acc)
+        return no_gradients(queries, acc)
     grad_scale = queries.new_empty((), dtype=acc) if scale is not None else \
         queries.new_empty((0,), dtype=acc)
     return queries.new_empty(queries.shape), docs.new_empty(docs.shape), grad_scale

@@ -396,8 +396,7 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
                  gather_across_devices=False):
         super().__init__(model, scale=scale, similarity_fct=similarity_fct,
                          gather_across_devices=gather_across_devices,
-                         directions=("query_to_doc", "doc_to_query"),
-                         partition_mode="per_direction")
+                         directions=ops.MNR_SYMMETRIC[0], partition_mode=ops.MNR_SYMMETRIC[1])
 
 
 class MNRLoss(torch.nn.Module):
@@ -415,7 +414,7 @@ class MNRLoss(torch.nn.Module):
                  reduction="mean", gather_across_devices=False, learnable_scale=False):
         super().__init__()
         if symmetric:
-            directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
+            directions, partition_mode = ops.MNR_SYMMETRIC
         self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
                                             hardness_strength)
         if reduction not in ("mean", "sum", "none"):

@@ -347,6 +347,9 @@ _MNR_DIRECTIONS = {"query_to_doc": 1, "query_to_query": 2, "doc_to_query": 4, "d
 _MNR_HARDNESS = {None: 0, "in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
 _MNR_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _MNR_DEFAULT_DIRECTIONS = ("query_to_doc",)
+# What symmetric=True means: (directions, partition_mode), as sentence-transformers'
+# MultipleNegativesSymmetricRankingLoss.
+MNR_SYMMETRIC = (("query_to_doc", "doc_to_query"), "per_direction")
 
 
 def _mnr_options(symmetric, directions, partition_mode, hardness_mode, hardness_strength,
@@ -357,7 +360,7 @@ def _mnr_options(symmetric, directions, partition_mode, hardness_mode, hardness_
         if tuple(directions) != _MNR_DEFAULT_DIRECTIONS or partition_mode != "joint":
             raise ValueError(f"nanfree.{op}: `symmetric=True` sets directions and "
                              "partition_mode; do not pass them too")
-        directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
+        directions, partition_mode = MNR_SYMMETRIC
     if isinstance(directions, str) or not directions:
         raise ValueError(f"nanfree.{op}: `directions` must be a non-empty sequence of "
                          f"{sorted(_MNR_DIRECTIONS)}, got {directions!r}")

@@ -7,8 +7,8 @@ wraps them into the ops, which take raw embeddings."""
 import torch
 
 from .._checks import acc_dtype
-from .._mnr_checks import (MnrProblem, check_mnr_loss, check_mnr_loss_backward,
-                           scaled_upstream, unscaled, upstream_per_row)
+from .._mnr_checks import (MnrProblem, check_mnr_loss, check_mnr_loss_backward, no_gradients,
+                           reduce_loss, scaled_upstream, unscaled, upstream_per_row)
 from .._mnr_normalization import on_raw_embeddings
 
 # Column kinds (mnr_math.h).
@@ -148,14 +148,6 @@ def _sets(problem, queries, docs, acc):
     return q, d, sets
 
 
-def _reduce(problem, loss_rows):
-    if problem.reduction == 1:
-        return loss_rows.sum() / problem.rows
-    if problem.reduction == 2:
-        return loss_rows.sum()
-    return loss_rows
-
-
 def _gradients(problem, queries, docs, scale_t, want_scale, stats, upstream):
     """d loss / d (normalized queries, normalized docs, scale), in the
     accumulation dtype, for per-row upstream gradients."""
@@ -217,11 +209,9 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
         log_z = mnr_log_partition(stats[local, 0], stats[local, 1], per_direction,
                                   problem.has_p_row)
         loss_rows[local] = log_z - positive
-    loss = _reduce(problem, loss_rows)
+    loss = reduce_loss(problem, loss_rows)
     if not grad:
-        # Three distinct empty tensors: outputs of an op may not alias.
-        return (loss, stats, queries.new_empty((0,)), queries.new_empty((0,)),
-                queries.new_empty((0,), dtype=acc))
+        return (loss, stats, *no_gradients(queries, acc))
     upstream = upstream_per_row(problem, torch.ones_like(loss))
     gq, gd, gs = _gradients(problem, queries, docs, scale_t, scale is not None, stats,
                             upstream)

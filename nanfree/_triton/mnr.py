@@ -67,8 +67,8 @@ import triton
 import triton.language as tl
 
 from .._checks import acc_dtype
-from .._mnr_checks import (check_mnr_loss, check_mnr_loss_backward, scaled_upstream,
-                           upstream_per_row)
+from .._mnr_checks import (check_mnr_loss, check_mnr_loss_backward, no_gradients, reduce_loss,
+                           scaled_upstream, upstream_per_row)
 from .._mnr_normalization import on_raw_embeddings
 from . import common
 from .common import device_guard
@@ -726,14 +726,6 @@ def _forward(launch):
     return loss_rows, stats
 
 
-def _reduce(problem, loss_rows):
-    if problem.reduction == 1:
-        return loss_rows.sum() / problem.rows
-    if problem.reduction == 2:
-        return loss_rows.sum()
-    return loss_rows
-
-
 def _gradients(launch, stats, upstream, want_scale):
     """(grad_queries, grad_docs, grad_scale) for per-row upstream gradients."""
     p = launch.p
@@ -791,11 +783,9 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
     launch = _Launch(problem, queries, docs, scale, scale_value)
     with device_guard(queries):
         loss_rows, stats = _forward(launch)
-        loss = _reduce(problem, loss_rows)
+        loss = reduce_loss(problem, loss_rows)
         if not grad:
-            # Three distinct empty tensors: outputs of an op may not alias.
-            return (loss, stats, queries.new_empty((0,)), queries.new_empty((0,)),
-                    queries.new_empty((0,), dtype=launch.acc))
+            return (loss, stats, *no_gradients(queries, launch.acc))
         upstream = upstream_per_row(problem, torch.ones_like(loss))
         grad_q, grad_d, grad_s = _gradients(launch, stats, upstream, scale is not None)
     return loss, stats, grad_q, grad_d, grad_s
