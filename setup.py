@@ -6,12 +6,19 @@
 - ``nanfree._C_cpu``: the CPU kernels (csrc/cpu). Always built.
 - ``nanfree._C_cuda``: the CUDA kernels (csrc/cuda). Built when torch has CUDA and
   ``nvcc`` is found, also on a machine without a GPU (compile and link only).
+- ``nanfree._C_cuda_emulated_<variant>`` (test-only, with ``NANFREE_CUDA_EMULATE``): the
+  same CUDA kernels and registrations compiled by the host compiler against the
+  emulation of the CUDA execution model in tests/cuda_emulation, serving CPU tensors
+  (``NANFREE_BACKEND=cuda NANFREE_CUDA_EMULATION=<variant>``). Needs CUDA's headers
+  (a toolkit, or the nvidia wheels of a CUDA build of torch), not a GPU or nvcc.
 
 Environment:
 - ``NANFREE_CUDA=0|1|auto`` (default auto): 1 fails the build when CUDA cannot be built.
 - ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures (default "8.0;9.0+PTX").
 - ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
   CPU kernels; auto picks the best one the build machine has.
+- ``NANFREE_CUDA_EMULATE=0|1|<variant>[,<variant>...]`` (default 0): the emulated CUDA
+  builds; 1 builds every variant of EMULATION_VARIANTS.
 
 No fast-math flag is ever used: it lets the compiler delete NaN and inf checks.
 """
@@ -154,6 +161,93 @@ def _cuda_extension():
     )
 
 
+# The emulated CUDA builds: variant -> extra compiler and linker flags.
+EMULATION_VARIANTS = {
+    "plain": ([], []),
+    # Every launch gets at most 3 blocks, so every grid-stride loop iterates.
+    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3"], []),
+    # AddressSanitizer and UndefinedBehaviorSanitizer (misaligned vector
+    # accesses included); loading it needs libasan preloaded (scripts/test.sh).
+    "sanitized": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                   "-fno-sanitize-recover=undefined"], ["-fsanitize=address,undefined"]),
+}
+
+
+def _cuda_header_dirs():
+    """Folders holding cuda_runtime.h, cuda_fp16.h and cuda_bf16.h: the toolkit's,
+    else those of the nvidia wheels a CUDA build of torch installs."""
+    dirs = [os.path.join(_find_cuda_home() or "/usr/local/cuda", "include")]
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            dirs += sorted(glob.glob(os.path.join(root, "*", "include")))
+    except ImportError:
+        pass
+    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))][:1]
+
+
+def _cuda_emulation_extensions():
+    requested = os.environ.get("NANFREE_CUDA_EMULATE", "0").strip()
+    if requested in ("", "0"):
+        return []
+    variants = list(EMULATION_VARIANTS) if requested == "1" else requested.split(",")
+    unknown = [v for v in variants if v not in EMULATION_VARIANTS]
+    if unknown:
+        raise SystemExit(f"NANFREE_CUDA_EMULATE: unknown variants {unknown}; "
+                         f"known: {', '.join(EMULATION_VARIANTS)}")
+    headers = _cuda_header_dirs()
+    if not headers:
+        raise SystemExit("NANFREE_CUDA_EMULATE needs CUDA's headers (cuda_fp16.h): install a "
+                         "CUDA toolkit or a CUDA build of torch")
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "tests", "cuda_emulation"))
+    import rewrite
+
+    emulation = os.path.join(HERE, "tests", "cuda_emulation")
+    extensions = []
+    for variant in variants:
+        # One folder of sources per variant: the rewritten kernels, and files
+        # that include the registrations and the emulation's runtime, so that
+        # no object file is shared between builds of different flags.
+        root = os.path.join(HERE, "build", "cuda_emulation", variant)
+        # nanfree's kernels, and the emulation's own test kernels (test_cuda_emulation.py).
+        rewrite.rewrite_tree(os.path.join(HERE, "csrc", "cuda"), os.path.join(root, "cuda"), HERE)
+        rewrite.rewrite_tree(emulation, os.path.join(root, "self_test"), HERE)
+        sources = sorted(glob.glob(os.path.join(root, "cuda", "*.cpp")) +
+                         glob.glob(os.path.join(root, "self_test", "*.cpp")))
+        wrapped = [os.path.join(HERE, "csrc", "cuda", name)
+                   for name in sorted(os.listdir(os.path.join(HERE, "csrc", "cuda")))
+                   if name.endswith(".cpp")]
+        wrapped += [os.path.join(emulation, name) for name in ("runtime.cpp", "fiber.cpp", "self_test.cpp")]
+        os.makedirs(os.path.join(root, "included"), exist_ok=True)
+        for path in wrapped:
+            target = os.path.join(root, "included", os.path.basename(path))
+            text = f'#include "{path}"\n'
+            if not os.path.exists(target) or open(target).read() != text:
+                with open(target, "w") as f:
+                    f.write(text)
+            sources.append(target)
+        cflags, ldflags = EMULATION_VARIANTS[variant]
+        extensions.append(CppExtension(
+            f"nanfree._C_cuda_emulated_{variant}",
+            [os.path.relpath(p, HERE) for p in sources],
+            include_dirs=[root, os.path.join(emulation, "include"), emulation, *INCLUDE_DIRS,
+                          *headers],
+            # Hidden symbols: the emulation's cudaGetLastError and cudaGetErrorString must
+            # not bind to (or be bound by) the CUDA runtime a CUDA build of torch loads. The
+            # host compiler, unlike nvcc, warns that the kernels' registers may be read
+            # uninitialized where flow it cannot follow (a kind fixed per launch) guards them.
+            extra_compile_args={"cxx": ["-O2", "-std=c++20", "-Wno-unknown-pragmas", *SAFE_MATH,
+                                        "-fvisibility=hidden", "-Wno-subobject-linkage",
+                                        "-Wno-maybe-uninitialized", "-Wno-uninitialized",
+                                        "-DNANFREE_CUDA_EMULATION", *cflags]},
+            extra_link_args=ldflags,
+        ))
+    return extensions
+
+
 ext_modules = [
     # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
     CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
@@ -166,6 +260,7 @@ ext_modules = [
 _cuda = _cuda_extension()
 if _cuda is not None:
     ext_modules.append(_cuda)
+ext_modules += _cuda_emulation_extensions()
 
 setup(
     packages=find_packages(include=["nanfree", "nanfree.*"]),

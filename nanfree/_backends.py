@@ -11,6 +11,12 @@ on a device the forced backend cannot serve gets a clear error at call time.
 interpreter), which is how the Triton kernels are tested without a GPU, and
 CUDA tensors only without it (compiled Triton): the interpreter is never used
 for CUDA tensors.
+
+``NANFREE_BACKEND=cuda NANFREE_CUDA_EMULATION=<variant>`` is the same for the
+CUDA kernels: the test-only emulated build ``nanfree._C_cuda_emulated_<variant>``
+(``plain``, ``grid_capped`` or ``sanitized``; setup.py's NANFREE_CUDA_EMULATE)
+runs them on CPU tensors through an emulation of the CUDA execution model
+(tests/cuda_emulation), and CUDA tensors are refused.
 """
 
 import importlib
@@ -32,6 +38,8 @@ FAMILIES = {"softmax": _softmax_registration, "cosine": _cosine_registration,
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",
     "cuda": "cuda: compiled CUDA kernels (nanfree._C_cuda)",
+    "cuda (emulated)": "cuda (emulated): the CUDA kernels on the CPU, through an emulation of the "
+                       "CUDA execution model (nanfree.{module}, schedule {schedule})",
     "triton": "triton: Triton kernels (nanfree._triton)",
     "torch": "torch: pure-PyTorch implementation (nanfree._torch_backend)",
 }
@@ -56,6 +64,23 @@ def _load_extension(name):
     except OSError as error:
         return f"nanfree.{name} failed to load: {error}"
     return None
+
+
+def emulated_cuda_module():
+    """The emulated CUDA build NANFREE_CUDA_EMULATION names, or None when it is unset."""
+    variant = os.environ.get("NANFREE_CUDA_EMULATION", "").strip()
+    return f"_C_cuda_emulated_{variant}" if variant else None
+
+
+def _load_emulated_cuda(module):
+    problem = _load_extension(module)
+    if problem is not None and "_sanitized" in module and "libasan" in problem:
+        problem += (" (the sanitized build runs with AddressSanitizer's runtime preloaded: "
+                    "LD_PRELOAD=$(gcc -print-file-name=libasan.so), as scripts/test.sh does)")
+    if problem is not None and _extension_path(module) is None:
+        problem += (" (build it with NANFREE_CUDA_EMULATE=1 python setup.py build_ext --inplace; "
+                    "NANFREE_CUDA_EMULATION names plain, grid_capped or sanitized)")
+    return problem
 
 
 def _triton_problem():
@@ -111,6 +136,11 @@ for _family in FAMILIES.values():
     _family.register()
 
 _FORCED = forced_backend()
+_EMULATED = emulated_cuda_module()
+if _EMULATED is not None and _FORCED != "cuda":
+    raise BackendUnavailableError(
+        "NANFREE_CUDA_EMULATION runs the CUDA kernels through the emulated CUDA build and "
+        f"needs NANFREE_BACKEND=cuda (it is {_FORCED or 'unset'})")
 # device -> backend name, or an error message for a device the forced backend cannot serve
 SERVING = {}
 PROBLEMS = {}
@@ -141,6 +171,10 @@ def _choose():
     if _FORCED == "cpu":
         _require("cpu", _load_extension("_C_cpu"))
         SERVING.update(cpu="cpu", cuda="NANFREE_BACKEND=cpu does not serve CUDA tensors")
+    elif _FORCED == "cuda" and _EMULATED is not None:
+        _require("cuda", _load_emulated_cuda(_EMULATED))
+        SERVING.update(cpu="cuda", cuda="NANFREE_CUDA_EMULATION runs the CUDA kernels on CPU "
+                                        "tensors only; unset it for CUDA tensors")
     elif _FORCED == "cuda":
         _require("cuda", _load_extension("_C_cuda"))
         SERVING.update(cuda="cuda", cpu="NANFREE_BACKEND=cuda does not serve CPU tensors")
@@ -209,7 +243,12 @@ def backend_info():
     serving = {}
     for device in ("cpu", "cuda"):
         choice = SERVING[device]
-        serving[device] = _DESCRIPTIONS.get(choice, f"refused: {choice}")
+        if device == "cpu" and choice == "cuda" and _EMULATED is not None:
+            schedule = os.environ.get("NANFREE_CUDA_SCHEDULE", "") or "lockstep"
+            serving[device] = _DESCRIPTIONS["cuda (emulated)"].format(module=_EMULATED,
+                                                                      schedule=schedule)
+        else:
+            serving[device] = _DESCRIPTIONS.get(choice, f"refused: {choice}")
     serving["other devices"] = _DESCRIPTIONS["torch"]
     return {
         "NANFREE_BACKEND": _FORCED or "(not set: automatic)",

@@ -5,14 +5,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <tuple>
 
 #include "common/cosine_op.h"
 #include "cuda/aten_device_types.h"
+#include "cuda/cuda_binding.h"
 #include "cuda/cosine_kernels.h"
 
 namespace nanfree {
@@ -24,14 +23,14 @@ std::tuple<at::Tensor, at::Tensor> normalize(const at::Tensor& input, double eps
   const c10::OptionalDeviceGuard device_guard(input.device());
   NormalizeArgs args = prepare_normalize(input, eps);
   if (args.shape.rows == 0) return {args.output, args.stats};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_normalize_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::normalize_forward(device_ptr<scalar_t>(args.input),
-                                          mutable_device_ptr<scalar_t>(args.output),
-                                          args.stats.mutable_data_ptr<acc_t>(), args.shape.rows,
-                                          args.shape.d, eps, stream));
+    NANFREE_CUDA_CHECK(gpu::normalize_forward(device_ptr<scalar_t>(args.input),
+                                              mutable_device_ptr<scalar_t>(args.output),
+                                              args.stats.mutable_data_ptr<acc_t>(), args.shape.rows,
+                                              args.shape.d, eps, stream));
   });
   return {args.output, args.stats};
 }
@@ -41,11 +40,11 @@ at::Tensor normalize_backward(const at::Tensor& grad, const at::Tensor& output,
   const c10::OptionalDeviceGuard device_guard(output.device());  // as in normalize
   NormalizeBackwardArgs args = prepare_normalize_backward(grad, output, stats);
   if (args.grad_input.numel() == 0) return args.grad_input;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.output.scalar_type(),
                                   "nanfree_normalize_backward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::normalize_backward(
+    NANFREE_CUDA_CHECK(gpu::normalize_backward(
         device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.output),
         args.stats.const_data_ptr<acc_t>(), mutable_device_ptr<scalar_t>(args.grad_input),
         args.shape.rows, args.shape.d, stream));
@@ -58,14 +57,15 @@ std::tuple<at::Tensor, at::Tensor> cosine_similarity(const at::Tensor& x1, const
   const c10::OptionalDeviceGuard device_guard(x1.device());  // as in normalize
   CosineArgs args = prepare_cosine(x1, x2, eps);
   if (args.shape.rows == 0) return {args.output, args.stats};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.x1.scalar_type(),
                                   "nanfree_cosine_similarity_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::cosine_forward(device_ptr<scalar_t>(args.x1), device_ptr<scalar_t>(args.x2),
-                                       mutable_device_ptr<scalar_t>(args.output),
-                                       args.stats.mutable_data_ptr<acc_t>(), args.shape.rows,
-                                       args.shape.d, eps, stream));
+    NANFREE_CUDA_CHECK(gpu::cosine_forward(device_ptr<scalar_t>(args.x1),
+                                           device_ptr<scalar_t>(args.x2),
+                                           mutable_device_ptr<scalar_t>(args.output),
+                                           args.stats.mutable_data_ptr<acc_t>(), args.shape.rows,
+                                           args.shape.d, eps, stream));
   });
   return {args.output, args.stats};
 }
@@ -78,11 +78,11 @@ std::tuple<at::Tensor, at::Tensor> cosine_similarity_backward(const at::Tensor& 
   const c10::OptionalDeviceGuard device_guard(x1.device());  // as in normalize
   CosineBackwardArgs args = prepare_cosine_backward(grad, x1, x2, output, stats);
   if (args.grad_x1.numel() == 0) return {args.grad_x1, args.grad_x2};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.x1.scalar_type(),
                                   "nanfree_cosine_similarity_backward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::cosine_backward(
+    NANFREE_CUDA_CHECK(gpu::cosine_backward(
         device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.x1),
         device_ptr<scalar_t>(args.x2), device_ptr<scalar_t>(args.output),
         args.stats.const_data_ptr<acc_t>(), mutable_device_ptr<scalar_t>(args.grad_x1),
@@ -97,17 +97,17 @@ at::Tensor cos_sim_matrix(const at::Tensor& a, const at::Tensor& b) {
   check_cos_sim_matrix(a, b);
   at::Tensor out = at::mm(a, b.t());
   if (out.numel() == 0) return out;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
                                   "nanfree_cos_sim_matrix_cuda", [&] {
-    C10_CUDA_CHECK(gpu::clamp_cosines(mutable_device_ptr<scalar_t>(out), out.numel(), stream));
+    NANFREE_CUDA_CHECK(gpu::clamp_cosines(mutable_device_ptr<scalar_t>(out), out.numel(), stream));
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   m.impl("normalize", &normalize);
   m.impl("normalize_backward", &normalize_backward);
   m.impl("cosine_similarity", &cosine_similarity);

@@ -7,8 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -16,6 +14,7 @@
 
 #include "common/gem_op.h"
 #include "cuda/aten_device_types.h"
+#include "cuda/cuda_binding.h"
 #include "cuda/gem_kernels.h"
 #include "nanfree/gem_math.h"
 
@@ -47,14 +46,15 @@ std::tuple<at::Tensor, at::Tensor> gem(const at::Tensor& input, const std::optio
   const c10::OptionalDeviceGuard device_guard(input.device());
   GemArgs args = prepare_gem(input, p, p_value, eps, mask);
   if (args.shape.reductions() == 0) return {args.output, args.stats};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_gem_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::gem_forward(device_ptr<scalar_t>(args.input), layout_of(args.shape),
-                                    mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
-                                    args.eps, mutable_device_ptr<scalar_t>(args.output),
-                                    args.stats.mutable_data_ptr<acc_t>(), stream));
+    NANFREE_CUDA_CHECK(gpu::gem_forward(device_ptr<scalar_t>(args.input), layout_of(args.shape),
+                                        mask_view(args.mask), p_pointer<acc_t>(args.p),
+                                        args.p_value, args.eps,
+                                        mutable_device_ptr<scalar_t>(args.output),
+                                        args.stats.mutable_data_ptr<acc_t>(), stream));
   });
   return {args.output, args.stats};
 }
@@ -73,12 +73,12 @@ std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at
       !args.p_grad ? at::Tensor()
       : args.shape.n > 0 ? at::empty({reductions}, args.grad_p.options())
                          : at::zeros({reductions}, args.grad_p.options());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_gem_backward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
     acc_t* p_grad_terms = args.p_grad ? terms.mutable_data_ptr<acc_t>() : nullptr;
-    C10_CUDA_CHECK(gpu::gem_backward(
+    NANFREE_CUDA_CHECK(gpu::gem_backward(
         device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.input), layout_of(args.shape),
         mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
         args.stats.const_data_ptr<acc_t>(), args.eps,
@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   m.impl("gem", &gem);
   m.impl("gem_backward", &gem_backward);
 }

@@ -17,10 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
-#include <torch/version.h>
 
 #include <optional>
 #include <tuple>
@@ -28,24 +25,16 @@
 #include "common/mnr_driver.h"
 #include "common/mnr_op.h"
 #include "cuda/aten_device_types.h"
+#include "cuda/cuda_binding.h"
 #include "cuda/mnr_kernels.h"
 #include "nanfree/mnr_math.h"
-
-// aten::mm.dtype (float32 output of fp16 / bf16 operands) exists from torch 2.8.
-#define NANFREE_MNR_MM_DTYPE \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
-// aten::addmm.dtype_out accepts a float32 `self` (the accumulator itself) with
-// half operands since pytorch#167931 (late 2025; 2.11 is a safe bound); before,
-// `self` had to have the operands' dtype, so the product is added separately.
-#define NANFREE_MNR_ADDMM_DTYPE \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11))
 
 namespace nanfree {
 namespace {
 
 bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
-#if NANFREE_MNR_MM_DTYPE
+#if NANFREE_MM_FLOAT32
 // The fp16 / bf16 GEMM operand of a float32 matrix `a` (the chunk of scale *
 // dlogit, or the transpose of a column slice of it): saturated and cast by
 // mnr_saturate_cast, in a's layout (a transposed view stays transposed).
@@ -59,10 +48,11 @@ at::Tensor half_operand(const at::Tensor& a, at::ScalarType dtype) {
   }
   at::Tensor dst = at::empty(src.sizes(), a.options().dtype(dtype));
   const int64_t in_stride = src.size(0) > 1 ? src.stride(0) : src.size(1);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "nanfree_mnr_half_operand_cuda", [&] {
-    C10_CUDA_CHECK(gpu::mnr_saturate_cast(src.const_data_ptr<float>(), src.size(0), src.size(1),
-                                          in_stride, mutable_device_ptr<scalar_t>(dst), stream));
+    NANFREE_CUDA_CHECK(gpu::mnr_saturate_cast(src.const_data_ptr<float>(), src.size(0),
+                                              src.size(1), in_stride,
+                                              mutable_device_ptr<scalar_t>(dst), stream));
   });
   return transposed ? dst.t() : dst;
 }
@@ -90,7 +80,7 @@ struct CudaMnrTiles {
   static constexpr int64_t kChunkEntries = int64_t(1) << 26;
 
   static at::Tensor operand(const at::Tensor& matrix) {
-#if NANFREE_MNR_MM_DTYPE
+#if NANFREE_MM_FLOAT32
     return matrix.contiguous();
 #else
     return matrix.to(acc_dtype(matrix.scalar_type())).contiguous();
@@ -98,8 +88,8 @@ struct CudaMnrTiles {
   }
 
   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
-#if NANFREE_MNR_MM_DTYPE
-    if (is_half(rows.scalar_type())) return at::mm(rows, columns.t(), at::kFloat);
+#if NANFREE_MM_FLOAT32
+    if (is_half(rows.scalar_type())) return mm_float32(rows, columns.t());
 #endif
     return at::mm(rows, columns.t());
   }
@@ -109,12 +99,12 @@ struct CudaMnrTiles {
       out.addmm_(a, b);
       return;
     }
-#if NANFREE_MNR_MM_DTYPE
+#if NANFREE_MM_FLOAT32
     const at::Tensor a_half = half_operand(a, b.scalar_type());
-#if NANFREE_MNR_ADDMM_DTYPE
-    at::addmm_out(out, out, a_half, b, at::kFloat);
+#if NANFREE_ADDMM_FLOAT32
+    addmm_float32(out, a_half, b);
 #else
-    out.add_(at::mm(a_half, b, at::kFloat));
+    out.add_(mm_float32(a_half, b));
 #endif
 #else
     TORCH_INTERNAL_ASSERT(false, "half operands are float32 (operand) without aten::mm.dtype");
@@ -125,14 +115,14 @@ struct CudaMnrTiles {
                         double hardness_strength, at::Tensor lse, at::Tensor positive_cos) {
     TORCH_INTERNAL_ASSERT(cos.is_contiguous() && cos.size(0) == tile.rows &&
                           cos.size(1) == tile.cols);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = current_cuda_stream();
     AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_cuda", [&] {
       at::Tensor ws = workspace<scalar_t>(tile, cos);
       scalar_t* pos = positive_cos.defined() ? positive_cos.mutable_data_ptr<scalar_t>() : nullptr;
-      C10_CUDA_CHECK(gpu::mnr_row_stats(cos.const_data_ptr<scalar_t>(), tile,
-                                        scale.const_data_ptr<scalar_t>(), hardness_strength,
-                                        lse.mutable_data_ptr<scalar_t>(), pos,
-                                        workspace_ptr<scalar_t>(ws), stream));
+      NANFREE_CUDA_CHECK(gpu::mnr_row_stats(cos.const_data_ptr<scalar_t>(), tile,
+                                            scale.const_data_ptr<scalar_t>(), hardness_strength,
+                                            lse.mutable_data_ptr<scalar_t>(), pos,
+                                            workspace_ptr<scalar_t>(ws), stream));
     });
   }
 
@@ -142,10 +132,10 @@ struct CudaMnrTiles {
                         at::Tensor scale_grad) {
     TORCH_INTERNAL_ASSERT(cos.is_contiguous() && stats.is_contiguous() &&
                           upstream.is_contiguous());
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = current_cuda_stream();
     AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_grads_cuda", [&] {
       at::Tensor ws = workspace<scalar_t>(tile, cos);
-      C10_CUDA_CHECK(gpu::mnr_row_grads(
+      NANFREE_CUDA_CHECK(gpu::mnr_row_grads(
           cos.mutable_data_ptr<scalar_t>(), tile, scale.const_data_ptr<scalar_t>(),
           hardness_strength, stats.const_data_ptr<scalar_t>(), upstream.const_data_ptr<scalar_t>(),
           per_direction, has_p_row, scale_grad.mutable_data_ptr<scalar_t>(),
@@ -156,9 +146,9 @@ struct CudaMnrTiles {
   static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
                          const at::Tensor& scale, bool per_direction, bool has_p_row,
                          at::Tensor loss) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = current_cuda_stream();
     AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "nanfree_mnr_row_losses_cuda", [&] {
-      C10_CUDA_CHECK(gpu::mnr_row_losses(
+      NANFREE_CUDA_CHECK(gpu::mnr_row_losses(
           stats.const_data_ptr<scalar_t>(), positive_cos.const_data_ptr<scalar_t>(),
           scale.const_data_ptr<scalar_t>(), per_direction, has_p_row, loss.numel(),
           loss.mutable_data_ptr<scalar_t>(), stream));
@@ -168,7 +158,7 @@ struct CudaMnrTiles {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   m.impl("mnr_loss", &mnr_loss_kernel<CudaMnrTiles>);
   m.impl("mnr_loss_backward", &mnr_loss_backward_kernel<CudaMnrTiles>);
 }

@@ -4,9 +4,7 @@
 // torch-free softmax_kernels.cu behind the launchers of softmax_kernels.h.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -14,6 +12,7 @@
 
 #include "common/softmax_op.h"
 #include "cuda/aten_device_types.h"
+#include "cuda/cuda_binding.h"
 #include "cuda/softmax_kernels.h"
 
 namespace nanfree {
@@ -27,14 +26,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
   const c10::OptionalDeviceGuard device_guard(input.device());
   ForwardArgs args = prepare_forward(kind, input, dim, mask);
   if (args.stats.numel() == 0) return {args.output, args.stats};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_softmax_forward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    C10_CUDA_CHECK(gpu::softmax_forward(kind, device_ptr<scalar_t>(args.input),
-                                        mutable_device_ptr<scalar_t>(args.output),
-                                        args.stats.mutable_data_ptr<acc_t>(), args.shape,
-                                        args.mask, stream));
+    NANFREE_CUDA_CHECK(gpu::softmax_forward(kind, device_ptr<scalar_t>(args.input),
+                                            mutable_device_ptr<scalar_t>(args.output),
+                                            args.stats.mutable_data_ptr<acc_t>(), args.shape,
+                                            args.mask, stream));
   });
   return {args.output, args.stats};
 }
@@ -45,17 +44,17 @@ at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::T
   const c10::OptionalDeviceGuard device_guard(saved.device());  // as in forward
   BackwardArgs args = prepare_backward(kind, grad, saved, stats, dim, mask);
   if (args.grad_input.numel() == 0) return args.grad_input;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.saved.scalar_type(),
                                   "nanfree_softmax_backward_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
     const acc_t* row_stats = args.stats.const_data_ptr<acc_t>();
     if constexpr (kind == SoftmaxKind::LogSumExp) {
-      C10_CUDA_CHECK(gpu::logsumexp_backward(
+      NANFREE_CUDA_CHECK(gpu::logsumexp_backward(
           device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.saved), row_stats,
           mutable_device_ptr<scalar_t>(args.grad_input), args.shape, args.mask, stream));
     } else {
-      C10_CUDA_CHECK(gpu::softmax_backward(
+      NANFREE_CUDA_CHECK(gpu::softmax_backward(
           kind, device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.saved), row_stats,
           mutable_device_ptr<scalar_t>(args.grad_input), args.shape, args.mask, stream));
     }
@@ -65,7 +64,7 @@ at::Tensor backward(const at::Tensor& grad, const at::Tensor& saved, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CUDA, m) {
+TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   m.impl("softmax", &forward<SoftmaxKind::Softmax>);
   m.impl("log_softmax", &forward<SoftmaxKind::LogSoftmax>);
   m.impl("logsumexp", &forward<SoftmaxKind::LogSumExp>);
