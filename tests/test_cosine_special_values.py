@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPES
+from conftest import DTYPES, INTERPRETED
 from cosine_oracle import cosine, cosine_grads, normalize, normalize_grad
 
 import nanfree.ops as nf
@@ -258,3 +258,29 @@ def test_module(device):
     a, b = torch.randn(5, 2, device=device), torch.randn(5, 2, device=device)
     torch.testing.assert_close(module(a, b), torch.nn.CosineSimilarity(dim=0, eps=1e-6)(a, b))
     assert "dim=0" in repr(module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_long_vectors_match_float64(dtype, device):
+    # 20000 entries: past what a CUDA thread group caches in registers, so the
+    # normalize and cosine kernels stream each vector twice. (One vector
+    # under Triton's interpreter, which takes seconds per vector.)
+    gen = torch.Generator().manual_seed(5)
+    rows = 1 if INTERPRETED else 3
+    a = torch.randn(rows, 20000, generator=gen, dtype=dtype)
+    b = torch.randn(rows, 20000, generator=gen, dtype=dtype)
+    grad_n = torch.randn(rows, 20000, generator=gen, dtype=dtype)
+    grad_c = torch.randn(rows, generator=gen, dtype=dtype)
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else {}
+    ad, bd = a.to(device).requires_grad_(True), b.to(device).requires_grad_(True)
+    n = nf.normalize(ad, dim=1)
+    (dn,) = torch.autograd.grad(n, ad, grad_n.to(device))
+    c = nf.cosine_similarity(ad, bd, dim=1)
+    dca, dcb = torch.autograd.grad(c, (ad, bd), grad_c.to(device))
+    ra, rb = a.double().requires_grad_(True), b.double().requires_grad_(True)
+    rn = torch.nn.functional.normalize(ra, dim=1)
+    (rdn,) = torch.autograd.grad(rn, ra, grad_n.double())
+    rc = torch.nn.functional.cosine_similarity(ra, rb, dim=1)
+    rdca, rdcb = torch.autograd.grad(rc, (ra, rb), grad_c.double())
+    for ours, ref in ((n, rn), (dn, rdn), (c, rc), (dca, rdca), (dcb, rdcb)):
+        torch.testing.assert_close(ours.detach().cpu().double(), ref.detach(), **tol)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
+from nanfree._backends import SERVING
 
 import gem_oracle
 import nanfree.ops as nf
@@ -467,6 +468,18 @@ def _p_grad_errors(x, p, eps, device):
 # mean's rounding raised to 1/p; D is within a few ulp there), and torch's
 # composition was luckier: to be fixed by a centred forward, not by D.
 _KNOWN_GEM_FORWARD_LIMITED = {(torch.float32, "relu", 0.05)}
+# The CUDA kernels sum a row's r^p in another order (one thread per row of 33
+# here): their saved mean rounds differently, and one more point of the same
+# kind lands beyond the rule (p = 0.035: 3.1x torch's error, found by the
+# emulated CUDA pass; the forward value itself is as accurate as the CPU's).
+_KNOWN_GEM_FORWARD_LIMITED_CUDA = {(torch.float32, "relu", 0.035)}
+
+
+def _known_forward_limited(device):
+    known = set(_KNOWN_GEM_FORWARD_LIMITED)
+    if SERVING[device] == "cuda":
+        known |= _KNOWN_GEM_FORWARD_LIMITED_CUDA
+    return known
 
 
 # (Under Triton's interpreter: float32, fewer rows and values of p.)
@@ -482,6 +495,7 @@ def test_p_grad_sweep_at_most_twice_torch(kind, dtype, device):
     x = _rows(kind, 3 if INTERPRETED else 6, 33, gen).to(dtype)
     floor = torch.finfo(torch.float32).eps  # p's gradient is float32: one rounding
     known = []
+    known_points = _known_forward_limited(device)
     ps = (0.0101, 0.0125, 0.02, 0.035, 0.05, 0.075, 0.1, 0.5, 3.0, 64.0)
     for p in ps[::2] if INTERPRETED else ps:
         ours, theirs = _p_grad_errors(x, p, 1e-6, device)
@@ -489,10 +503,10 @@ def test_p_grad_sweep_at_most_twice_torch(kind, dtype, device):
         assert ours <= (64 / p + 64) * floor, f"p={p}: error {ours}"
         if ours > 2 * theirs + floor:
             msg = f"p={p}: error {ours} vs torch {theirs}"
-            assert (dtype, kind, p) in _KNOWN_GEM_FORWARD_LIMITED, msg
+            assert (dtype, kind, p) in known_points, msg
             known.append(msg)
     # Strict: a known point that no longer exceeds the rule is taken off the list.
-    listed = {q for d, k, q in _KNOWN_GEM_FORWARD_LIMITED if (d, k) == (dtype, kind) and q in ps}
+    listed = {q for d, k, q in known_points if (d, k) == (dtype, kind) and q in ps}
     if listed and not known and not INTERPRETED:  # (the interpreter's sweep is shorter)
         pytest.fail(f"{sorted(listed)} no longer beyond the rule: remove from "
                     "_KNOWN_GEM_FORWARD_LIMITED")
@@ -519,3 +533,26 @@ def test_p_grad_sum_saturates_never_nan(dtype, device):
         assert torch.isfinite(out).all()
         out.backward(g.to(dtype).to(device))
         assert p.grad.item() == expected[name], (name, p.grad.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_long_rows_match_oracle(dtype, device):
+    # 10000 entries: past what the CUDA forward keeps in shared memory (8192
+    # float, 4096 double per row), so it streams the row.
+    gen = torch.Generator().manual_seed(11)
+    x = torch.rand(3, 10000, generator=gen, dtype=dtype) * 2
+    x[1, 4000:] = 0.0  # clamped entries in a long row
+    p = torch.tensor([2.5], dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(3, generator=gen, dtype=dtype)
+    xd = x.to(device).requires_grad_(True)
+    pd = p.detach().to(device).requires_grad_(True)
+    out = nf.gem(xd, pd, dim=1)
+    dx, dp = torch.autograd.grad(out, (xd, pd), grad.to(device))
+    xr = x.double().requires_grad_(True)
+    pr = p.detach().double().requires_grad_(True)
+    ref = gem_oracle.gem(xr, pr, 1, 1e-6, acc=torch.float64)
+    rdx, rdp = torch.autograd.grad(ref, (xr, pr), grad.double())
+    tol = dict(rtol=1e-4, atol=1e-7) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), **tol)
+    torch.testing.assert_close(dx.cpu().double(), rdx, **tol)
+    torch.testing.assert_close(dp.cpu().double(), rdp, rtol=1e-4, atol=1e-7)

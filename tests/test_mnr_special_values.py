@@ -456,3 +456,25 @@ def test_every_option_is_finite(config, hardness, device):
                        hardness_mode=hardness, hardness_strength=2.0 if hardness else 0.0)
         inputs = _Inputs(*_awkward(kind), options, dtype)
         _assert_matches_oracle(inputs, dtype, device, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_many_candidates_match_oracle(reduction, device):
+    # 8 queries against 16392 documents (their positives and 16384 shared
+    # candidates): rows long enough that the CUDA kernels split each row over
+    # several thread groups and merge the parts in a second launch. (Fewer
+    # under Triton's interpreter, whose kernels do not split.)
+    gen = torch.Generator().manual_seed(16384)
+    q = torch.randn(8, 8, generator=gen)
+    p = torch.randn(8, 8, generator=gen)
+    n = torch.randn(1024 if INTERPRETED else 16384, 8, generator=gen)
+    grad = torch.rand(8, generator=gen) if reduction == "none" else torch.tensor(1.0)
+    leaves = [t.to(device).requires_grad_(True) for t in (q, p, n)]
+    loss = nf.mnr_loss(*leaves, scale=20.0, reduction=reduction)
+    grads = torch.autograd.grad(loss, leaves, grad.to(device))
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, p, n)]
+    ref = composed_mnr_loss(*ref_leaves, scale=20.0, reduction=reduction)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
+    torch.testing.assert_close(loss.detach().cpu().double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours.cpu().double(), theirs, rtol=1e-4, atol=1e-7)
