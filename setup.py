@@ -17,8 +17,9 @@ Environment:
 - ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures (default "8.0;9.0+PTX").
 - ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
   CPU kernels; auto picks the best one the build machine has.
-- ``NANFREE_CUDA_EMULATE=0|1|<variant>[,<variant>...]`` (default 0): the emulated CUDA
-  builds; 1 builds every variant of EMULATION_VARIANTS.
+- ``NANFREE_CUDA_EMULATE=0|1|auto|<variant>[,<variant>...]`` (default 0): the emulated
+  CUDA builds; 1 builds every variant of EMULATION_VARIANTS (and fails without CUDA's
+  headers), auto every variant when CUDA's headers are found (scripts/test.sh).
 
 No fast-math flag is ever used: it lets the compiler delete NaN and inf checks.
 """
@@ -188,18 +189,22 @@ def _cuda_header_dirs():
 
 
 def _cuda_emulation_extensions():
-    requested = os.environ.get("NANFREE_CUDA_EMULATE", "0").strip()
+    requested = os.environ.get("NANFREE_CUDA_EMULATE", "0").strip().lower()
     if requested in ("", "0"):
         return []
-    variants = list(EMULATION_VARIANTS) if requested == "1" else requested.split(",")
+    variants = list(EMULATION_VARIANTS) if requested in ("1", "auto") else requested.split(",")
     unknown = [v for v in variants if v not in EMULATION_VARIANTS]
     if unknown:
         raise SystemExit(f"NANFREE_CUDA_EMULATE: unknown variants {unknown}; "
                          f"known: {', '.join(EMULATION_VARIANTS)}")
     headers = _cuda_header_dirs()
     if not headers:
-        raise SystemExit("NANFREE_CUDA_EMULATE needs CUDA's headers (cuda_fp16.h): install a "
-                         "CUDA toolkit or a CUDA build of torch")
+        problem = ("the emulated CUDA build needs CUDA's headers (cuda_fp16.h): install a CUDA "
+                   "toolkit or a CUDA build of torch")
+        if requested == "auto":
+            print(f"nanfree: not building the emulated CUDA extensions: {problem}")
+            return []
+        raise SystemExit(f"NANFREE_CUDA_EMULATE={requested}: {problem}")
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "tests", "cuda_emulation"))
@@ -229,6 +234,9 @@ def _cuda_emulation_extensions():
                 with open(target, "w") as f:
                     f.write(text)
             sources.append(target)
+        # Headers too: setuptools rebuilds an extension only when a listed file is newer.
+        depends = [p for pattern in ("csrc/**/*.h", "csrc/**/*.cuh", "tests/cuda_emulation/**/*.h")
+                   for p in glob.glob(os.path.join(HERE, pattern), recursive=True)]
         cflags, ldflags = EMULATION_VARIANTS[variant]
         extensions.append(CppExtension(
             f"nanfree._C_cuda_emulated_{variant}",
@@ -244,6 +252,7 @@ def _cuda_emulation_extensions():
                                         "-Wno-maybe-uninitialized", "-Wno-uninitialized",
                                         "-DNANFREE_CUDA_EMULATION", *cflags]},
             extra_link_args=ldflags,
+            depends=[os.path.relpath(p, HERE) for p in depends],
         ))
     return extensions
 

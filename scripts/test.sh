@@ -2,35 +2,67 @@
 # Sets everything up (scripts/setup.sh) and runs the whole test suite once per
 # backend this machine can run: the default selection (C++ on CPU tensors, and
 # CUDA kernels on CUDA tensors when a GPU is present), the pure-PyTorch
-# fallback, the Triton kernels under the interpreter on CPU tensors, and, with a
-# GPU, the compiled Triton kernels on CUDA tensors. Tests marked
-# backend_independent (they do not call a kernel of the pass's backend) run in
-# the first pass only. Each pass prints how long it took. Extra arguments go to
-# pytest.
+# fallback, the Triton kernels under the interpreter on CPU tensors, the CUDA
+# kernels on CPU tensors through the emulated CUDA build (tests/cuda_emulation:
+# the whole suite with one schedule and with the grid capped to 3 blocks; the
+# emulation's, special-value and layout tests with the other schedules and the
+# AddressSanitizer/UBSan build), and, with a GPU, the compiled Triton kernels on
+# CUDA tensors. Tests marked backend_independent (they do not call a kernel of
+# the pass's backend) run in the first pass only. Each pass prints how long it
+# took. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 start=$SECONDS
+# The emulated CUDA builds, wherever CUDA's headers are (NANFREE_CUDA_EMULATE=1
+# makes their absence an error, as CI does).
+export NANFREE_CUDA_EMULATE="${NANFREE_CUDA_EMULATE:-auto}"
 bash scripts/setup.sh
 echo "=== setup and build took $((SECONDS - start)) s ==="
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 PYTEST_ARGS=("$@")
-# run <pytest selection args> -- <environment>
+# run <environment> -- <pytest arguments>
 run() {
-  local selection=()
-  while [[ $1 != -- ]]; do selection+=("$1"); shift; done
+  local environment=()
+  while [[ $1 != -- ]]; do environment+=("$1"); shift; done
   shift
-  echo "=== tests with $* ==="
+  echo "=== tests with ${environment[*]} ==="
   local pass_start=$SECONDS
   # pytest's exit code 5 (nothing collected) fails the run like any other.
-  env "$@" "$PYTHON" -m pytest -q -p no:cacheprovider tests "${selection[@]}" "${PYTEST_ARGS[@]}"
-  echo "=== tests with $* took $((SECONDS - pass_start)) s ==="
+  env "${environment[@]}" "$PYTHON" -m pytest -q -p no:cacheprovider "$@" "${PYTEST_ARGS[@]}"
+  echo "=== tests with ${environment[*]} took $((SECONDS - pass_start)) s ==="
 }
-run -- NANFREE_BACKEND=
-run -m "not backend_independent" -- NANFREE_BACKEND=torch
-run -m "not backend_independent" -- NANFREE_BACKEND=triton TRITON_INTERPRET=1
+OTHER=(-m "not backend_independent")
+run NANFREE_BACKEND= -- tests
+run NANFREE_BACKEND=torch -- tests "${OTHER[@]}"
+run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}"
+
+emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
+if emulated plain && emulated grid_capped && emulated sanitized; then
+  KERNEL_TESTS=(tests/test_cuda_emulation.py tests/test_softmax_mask_layouts.py
+                tests/test_softmax_special_values.py tests/test_cosine_special_values.py
+                tests/test_gem_special_values.py tests/test_mnr_special_values.py)
+  cuda() { echo NANFREE_BACKEND=cuda "NANFREE_CUDA_EMULATION=$1" "NANFREE_CUDA_SCHEDULE=$2"; }
+  run $(cuda plain first-warp-ahead) -- tests "${OTHER[@]}"
+  # A warp running ahead into a block's next row shows only where blocks iterate.
+  run $(cuda grid_capped last-warp-ahead) -- tests "${OTHER[@]}"
+  for schedule in lockstep last-warp-ahead random:1; do
+    run $(cuda plain $schedule) -- "${KERNEL_TESTS[@]}" "${OTHER[@]}"
+  done
+  # AddressSanitizer's runtime must be the process's first library, and
+  # libstdc++ loaded before it initializes (for its __cxa_throw interceptor).
+  CXX="${CXX:-c++}"
+  run $(cuda sanitized first-warp-ahead) ASAN_OPTIONS=detect_leaks=0 \
+      LD_PRELOAD="$("$CXX" -print-file-name=libasan.so) $("$CXX" -print-file-name=libstdc++.so)" \
+      -- "${KERNEL_TESTS[@]}" "${OTHER[@]}"
+elif [[ $NANFREE_CUDA_EMULATE == 1 ]]; then
+  echo "the emulated CUDA builds are missing although NANFREE_CUDA_EMULATE=1" >&2
+  exit 1
+else
+  echo "=== no emulated CUDA pass: the emulated CUDA builds need CUDA's headers (see setup.py) ==="
+fi
 if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  run -m "not backend_independent" -- NANFREE_BACKEND=triton
+  run NANFREE_BACKEND=triton -- tests "${OTHER[@]}"
 fi
 echo "all test runs passed in $((SECONDS - start)) s"

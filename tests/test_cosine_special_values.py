@@ -284,3 +284,32 @@ def test_long_vectors_match_float64(dtype, device):
     rdca, rdcb = torch.autograd.grad(rc, (ra, rb), grad_c.double())
     for ours, ref in ((n, rn), (dn, rdn), (c, rc), (dca, rdca), (dcb, rdcb)):
         torch.testing.assert_close(ours.detach().cpu().double(), ref.detach(), **tol)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_vectors_at_every_alignment(offset, dtype, device):
+    # Contiguous views `offset` elements into their storage: 64 entries per
+    # vector make whole 16-byte vectors, but only offset 0 is 16-byte aligned.
+    # The result is that of an aligned copy (up to the summation order of
+    # another launch plan).
+    gen = torch.Generator().manual_seed(offset)
+    rows, d = 5, 64
+
+    def view():
+        storage = torch.randn(rows * d + 8, generator=gen, dtype=dtype).to(device)
+        return storage[offset:offset + rows * d].view(rows, d)
+
+    a, b, g_n = view(), view(), view()
+    g_c = torch.randn(rows, generator=gen, dtype=dtype).to(device)
+    results = []
+    for x1, x2, gn in ((a, b, g_n), (a.clone(), b.clone(), g_n.clone())):
+        x1 = x1.detach().requires_grad_(True)
+        x2 = x2.detach().requires_grad_(True)
+        n = nf.normalize(x1, dim=1)
+        c = nf.cosine_similarity(x1, x2, dim=1)
+        s = nf.cos_sim(x1, x2)
+        grads = torch.autograd.grad((n * gn).sum() + (c * g_c).sum() + s.sum(), (x1, x2))
+        results.append((n, c, s, *grads))
+    for ours, aligned in zip(*results):
+        torch.testing.assert_close(ours, aligned)

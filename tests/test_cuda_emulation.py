@@ -122,3 +122,40 @@ def test_misuse_aborts_with_file_and_line(name):
     assert re.search(MISUSE[name], result.stderr, re.S), result.stderr
     # Every message names the launch (or the kernel) by file and line.
     assert re.search(rf"{KERNELS}:\d+", result.stderr), result.stderr
+
+
+def _bad_calls():
+    """A bad call of every family's ops, and the error type it must raise."""
+    import nanfree.ops as nf
+
+    x = torch.randn(4, 8)
+    ints = torch.ones(4, 8, dtype=torch.int64)
+    return {
+        "softmax of integers": (TypeError, lambda: nf.softmax(ints, -1)),
+        "softmax dim out of range": (IndexError, lambda: nf.softmax(x, 2)),
+        "log_softmax float mask": (TypeError, lambda: nf.log_softmax(x, -1, mask=x)),
+        "logsumexp mask of another shape": (ValueError,
+                                            lambda: nf.logsumexp(x, -1, mask=torch.ones(3, 8) > 0)),
+        "normalize eps 0": (ValueError, lambda: nf.normalize(x, eps=0.0)),
+        "cosine_similarity shapes": (ValueError,
+                                     lambda: nf.cosine_similarity(x, torch.randn(3, 8))),
+        "cos_sim widths": (ValueError, lambda: nf.cos_sim(x, torch.randn(4, 7))),
+        "gem p 0": (ValueError, lambda: nf.gem(x.abs(), 0.0)),
+        "gem_pool2d of a 2-d input": (ValueError, lambda: nf.gem_pool2d(x)),
+        "mnr_loss widths": (ValueError, lambda: nf.mnr_loss(x, torch.randn(4, 7))),
+        "mnr_loss scale 0": (ValueError, lambda: nf.mnr_loss(x, x, scale=0.0)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_bad_input_fails_before_any_kernel(case):
+    error, call = _bad_calls()[case]
+    before = ops.launches()
+    with pytest.raises(error):
+        call()
+    assert ops.launches() == before, f"{case}: a kernel ran before the error"
+    # The counter counts: a good call launches.
+    import nanfree.ops as nf
+
+    nf.softmax(torch.randn(2, 3), -1)
+    assert ops.launches() > before

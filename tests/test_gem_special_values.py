@@ -556,3 +556,25 @@ def test_long_rows_match_oracle(dtype, device):
     torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), **tol)
     torch.testing.assert_close(dx.cpu().double(), rdx, **tol)
     torch.testing.assert_close(dp.cpu().double(), rdp, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rows_at_every_alignment(offset, dtype, device):
+    # Contiguous views `offset` elements into their storage: rows of 64
+    # entries make whole 16-byte vectors, but only offset 0 is 16-byte aligned.
+    # The result is that of an aligned copy (up to the summation order of
+    # another launch plan).
+    gen = torch.Generator().manual_seed(offset)
+    rows, n = 5, 64
+    storage = torch.rand(rows * n + 8, generator=gen, dtype=dtype).to(device)
+    x = storage[offset:offset + rows * n].view(rows, n)
+    grad = torch.randn(rows, generator=gen, dtype=dtype).to(device)
+    results = []
+    for xs in (x, x.clone()):
+        xs = xs.detach().requires_grad_(True)
+        p = torch.tensor([3.0], device=device, requires_grad=True)
+        out = nf.gem(xs, p, dim=1)
+        results.append((out, *torch.autograd.grad(out, (xs, p), grad)))
+    for ours, aligned in zip(*results):
+        torch.testing.assert_close(ours, aligned)

@@ -143,3 +143,28 @@ def test_long_rows_match_float64(device, op, dtype, masked):
     torch.testing.assert_close(out.cpu().double()[finite], ref.detach()[finite], **tol)
     assert (out.cpu()[~finite] == ref.detach()[~finite].to(dtype)).all()
     torch.testing.assert_close(dx.cpu().double(), ref_dx, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_at_every_alignment(device, op, offset, dtype):
+    # Contiguous views that start `offset` elements into their storage: 64
+    # columns make whole 16-byte vectors, but only offset 0 is 16-byte aligned,
+    # so the CUDA kernels must see the others and read them entry by entry
+    # (another launch plan: the same values up to the summation order).
+    gen = torch.Generator().manual_seed(offset)
+    rows, cols = 5, 64
+    storage = torch.randn(rows * cols + 8, generator=gen, dtype=dtype).to(device)
+    x = storage[offset:offset + rows * cols].view(rows, cols).requires_grad_(True)
+    grad_storage = torch.randn(rows * cols + 8, generator=gen, dtype=dtype).to(device)
+    n_out = rows if op == "logsumexp" else rows * cols
+    grad = grad_storage[offset:offset + n_out].view(rows if op == "logsumexp" else (rows, cols))
+    out = getattr(nf, op)(x, -1)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = getattr(nf, op)(ref_x, -1)  # the same op on an aligned copy
+    (ref_dx,) = torch.autograd.grad(ref, ref_x, grad.clone())
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dx, ref_dx)

@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -585,6 +586,7 @@ class Block {
 };
 
 thread_local std::unique_ptr<Block> block_runner;
+std::atomic<long long> launches{0};
 
 [[noreturn]] void fail_launch(const LaunchConfig& c, const char* format, ...)
     __attribute__((format(printf, 2, 3)));
@@ -737,9 +739,12 @@ void enter_kernel(const char* pretty_name, Site site, int max_threads, const cha
   log_launch(launch);
 }
 
+long long launch_count() { return launches.load(); }
+
 void run_grid(const LaunchConfig& config, KernelCall call, const LoggedArgument* arguments,
               int argument_count) {
   validate(config);
+  ++launches;
   if (running_launch != nullptr) {
     std::fprintf(stderr, "cuda emulation: a kernel launch at %s:%d from inside a kernel\n",
                  config.site.file, config.site.line);

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_emulation.h"
 #include "self_test_kernels.h"
 
 namespace {
@@ -56,9 +57,12 @@ void misuse(const std::string& name) {
   TORCH_CHECK(cuda_emulation_test::misuse(name.c_str(), out.data()), "no misuse case ", name);
 }
 
+int64_t launches() { return cuda_emulation::launch_count(); }
+
 }  // namespace
 
 TORCH_LIBRARY(nanfree_cuda_emulation, m) {
+  m.def("launches() -> int", &launches);
   m.def("shuffles(Tensor values, Tensor predicate) -> (Tensor, Tensor)", &shuffles);
   m.def("shared_poison() -> Tensor", &shared_poison);
   m.def("block_sums(Tensor input, int blocks, int threads) -> Tensor", &block_sums);

@@ -140,6 +140,9 @@ struct LoggedArgument {
 void run_grid(const LaunchConfig& config, KernelCall call, const LoggedArgument* arguments,
               int argument_count);
 
+// Launches run so far in this process (tests check that bad input launches nothing).
+long long launch_count();
+
 template <typename T>
 LoggedArgument log_argument(const T& value) {
   if constexpr (std::is_integral_v<T> || std::is_enum_v<T>) {
