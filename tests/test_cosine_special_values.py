@@ -266,7 +266,7 @@ def test_long_vectors_match_float64(dtype, device):
     # normalize and cosine kernels stream each vector twice. (One vector
     # under Triton's interpreter, which takes seconds per vector.)
     gen = torch.Generator().manual_seed(5)
-    rows = 1 if INTERPRETED else 3
+    rows = 1 if INTERPRETED else 5  # more than the grid-capped emulated build's 3 blocks
     a = torch.randn(rows, 20000, generator=gen, dtype=dtype)
     b = torch.randn(rows, 20000, generator=gen, dtype=dtype)
     grad_n = torch.randn(rows, 20000, generator=gen, dtype=dtype)

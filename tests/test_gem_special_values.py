@@ -538,12 +538,13 @@ def test_p_grad_sum_saturates_never_nan(dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_long_rows_match_oracle(dtype, device):
     # 10000 entries: past what the CUDA forward keeps in shared memory (8192
-    # float, 4096 double per row), so it streams the row.
+    # float, 4096 double per row), so it streams the row; 5 rows, more than
+    # the grid-capped emulated build's 3 blocks.
     gen = torch.Generator().manual_seed(11)
-    x = torch.rand(3, 10000, generator=gen, dtype=dtype) * 2
+    x = torch.rand(5, 10000, generator=gen, dtype=dtype) * 2
     x[1, 4000:] = 0.0  # clamped entries in a long row
     p = torch.tensor([2.5], dtype=torch.float32, requires_grad=True)
-    grad = torch.randn(3, generator=gen, dtype=dtype)
+    grad = torch.randn(5, generator=gen, dtype=dtype)
     xd = x.to(device).requires_grad_(True)
     pd = p.detach().to(device).requires_grad_(True)
     out = nf.gem(xd, pd, dim=1)

@@ -60,7 +60,9 @@ def _compare(device, op, x, mask, dim=-1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_mask_layouts_match_masked_fill(device, op, cols, layout, dtype):
     gen = torch.Generator().manual_seed(cols)
-    rows = 6
+    # 9 rows: with the CUDA kernels' 2 rows of 1500 columns per block, the
+    # grid-capped emulated build (3 blocks) iterates its grid-stride loop.
+    rows = 9
     x = torch.randn(rows, cols, generator=gen, dtype=dtype) * 3
     mask = _layouts(rows, cols, gen)[layout]
     _compare(device, op, x, mask)
@@ -120,9 +122,10 @@ def test_key_padding_mask_over_a_middle_dim(device, op):
 def test_long_rows_match_float64(device, op, dtype, masked):
     # 20000 columns: past what a CUDA thread group caches in registers (16K
     # float / 8K double forward, half that backward), so the kernels stream
-    # the row twice; past the CPU kernels' chunk too.
+    # the row twice; past the CPU kernels' chunk too. 5 rows: more than the
+    # grid-capped emulated build's 3 blocks.
     gen = torch.Generator().manual_seed(20000)
-    rows, cols = 3, 20000
+    rows, cols = 5, 20000
     x = torch.randn(rows, cols, generator=gen, dtype=dtype) * 4
     mask = torch.rand(rows, cols, generator=gen) > 0.3 if masked else torch.ones(rows, cols,
                                                                                  dtype=torch.bool)

@@ -128,7 +128,8 @@ def run_tests(variant, schedule, tests):
     # The first failing test, or the emulation's own abort message.
     first = next((line for line in out.splitlines()
                   if line.startswith("FAILED") or line.startswith("cuda emulation:")
-                  or "runtime error:" in line or "ERROR: AddressSanitizer" in line), "")
+                  or "runtime error:" in line or "ERROR: AddressSanitizer" in line
+                  or line.startswith("Fatal Python error")), "")
     return result.returncode, first.strip()
 
 
