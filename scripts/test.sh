@@ -4,12 +4,13 @@
 # CUDA kernels on CUDA tensors when a GPU is present), the pure-PyTorch
 # fallback, the Triton kernels under the interpreter on CPU tensors, the CUDA
 # kernels on CPU tensors through the emulated CUDA build (tests/cuda_emulation:
-# the whole suite with one schedule and with the grid capped to 3 blocks; the
-# emulation's, special-value and layout tests with the other schedules and the
-# AddressSanitizer/UBSan build), and, with a GPU, the compiled Triton kernels on
-# CUDA tensors. Tests marked backend_independent (they do not call a kernel of
-# the pass's backend) run in the first pass only. Each pass prints how long it
-# took. Extra arguments go to pytest.
+# the whole suite with one schedule, which must reach every kernel and launch
+# site, and with the grid capped to 3 blocks; the emulation's, special-value and
+# layout tests with the other schedules and the AddressSanitizer/UBSan build),
+# and, with a GPU, the compiled Triton kernels on CUDA tensors. Tests marked
+# backend_independent (they do not call a kernel of the pass's backend) run in
+# the first pass only. Each pass prints how long it took. Extra arguments go to
+# pytest (and then the coverage check is left out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -44,7 +45,12 @@ if emulated plain && emulated grid_capped && emulated sanitized; then
                 tests/test_softmax_special_values.py tests/test_cosine_special_values.py
                 tests/test_gem_special_values.py tests/test_mnr_special_values.py)
   cuda() { echo NANFREE_BACKEND=cuda "NANFREE_CUDA_EMULATION=$1" "NANFREE_CUDA_SCHEDULE=$2"; }
-  run $(cuda plain first-warp-ahead) -- tests "${OTHER[@]}"
+  # The launch log of the whole-suite pass: every CUDA kernel and launch site
+  # must have run (tests/cuda_emulation/coverage.py fails otherwise).
+  launches="$(mktemp)"
+  run $(cuda plain first-warp-ahead) NANFREE_CUDA_EMULATION_LOG="$launches" -- tests "${OTHER[@]}"
+  if ((${#PYTEST_ARGS[@]} == 0)); then "$PYTHON" tests/cuda_emulation/coverage.py "$launches"; fi
+  rm -f "$launches"
   # A warp running ahead into a block's next row shows only where blocks iterate.
   run $(cuda grid_capped last-warp-ahead) -- tests "${OTHER[@]}"
   for schedule in lockstep last-warp-ahead random:1; do

@@ -83,6 +83,14 @@ def test_three_dimensional_indices():
     assert out == expected
 
 
+def test_atomics_count_every_update():
+    counters, total = ops.atomics(torch.tensor([0, -1, 1000, 0, 0]), torch.tensor([1.0]))
+    # 128 threads: 128 adds, the largest and smallest index, 128 increments
+    # by compare-and-swap, the exchange.
+    assert counters.tolist() == [128, 127, 0, 128, 7]
+    assert total.item() == 1.0 + 64.0
+
+
 def _misuse(name):
     code = f"import nanfree, torch\ntorch.ops.nanfree_cuda_emulation.misuse({name!r})\n"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -57,12 +57,21 @@ void misuse(const std::string& name) {
   TORCH_CHECK(cuda_emulation_test::misuse(name.c_str(), out.data()), "no misuse case ", name);
 }
 
+std::tuple<at::Tensor, at::Tensor> atomics(const at::Tensor& counters, const at::Tensor& sum) {
+  at::Tensor c = counters.to(at::kInt).contiguous().clone();
+  at::Tensor s = sum.to(at::kFloat).contiguous().clone();
+  TORCH_CHECK(c.numel() == 5 && s.numel() == 1, "5 counters and one sum");
+  cuda_emulation_test::atomics(c.mutable_data_ptr<int>(), s.mutable_data_ptr<float>());
+  return {c, s};
+}
+
 int64_t launches() { return cuda_emulation::launch_count(); }
 
 }  // namespace
 
 TORCH_LIBRARY(nanfree_cuda_emulation, m) {
   m.def("launches() -> int", &launches);
+  m.def("atomics(Tensor counters, Tensor sum) -> (Tensor, Tensor)", &atomics);
   m.def("shuffles(Tensor values, Tensor predicate) -> (Tensor, Tensor)", &shuffles);
   m.def("shared_poison() -> Tensor", &shared_poison);
   m.def("block_sums(Tensor input, int blocks, int threads) -> Tensor", &block_sums);

@@ -86,6 +86,23 @@ __global__ void indices_kernel(int* out) {
   o[5] = blockIdx.z;
 }
 
+// Every thread of two blocks updates the same counters: the atomics must count each update.
+__global__ void atomics_kernel(int* counters, float* sum) {
+  const int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  atomicAdd(&counters[0], 1);
+  atomicMax(&counters[1], t);
+  atomicMin(&counters[2], t);
+  // An increment by compare-and-swap, retried until no other thread intervened.
+  int seen = counters[3];
+  int assumed;
+  do {
+    assumed = seen;
+    seen = atomicCAS(&counters[3], assumed, assumed + 1);
+  } while (seen != assumed);
+  atomicExch(&counters[4], 7);
+  atomicAdd(sum, 0.5f);
+}
+
 // --- misuse ------------------------------------------------------------------
 
 __global__ void divergent_barrier_kernel(int* out) {
@@ -144,6 +161,8 @@ void block_sums(const float* in, float* out, int blocks, int threads) {
 }
 
 void indices(int* out, dim3 grid, dim3 block) { indices_kernel<<<grid, block>>>(out); }
+
+void atomics(int* counters, float* sum) { atomics_kernel<<<2, 64>>>(counters, sum); }
 
 bool misuse(const char* name, void* out) {
   const std::string_view n(name);

@@ -13,6 +13,8 @@ void shuffles(const float* values, const int* predicate, float* out, unsigned* v
 void shared_poison(float* out);
 void block_sums(const float* in, float* out, int blocks, int threads);
 void indices(int* out, dim3 grid, dim3 block);
+// counters (5 ints) and sum are read and updated by 2 blocks of 64 threads.
+void atomics(int* counters, float* sum);
 // Launches the misuse kernel of that name (the emulation aborts); false if there is none.
 bool misuse(const char* name, void* out);
 

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -178,34 +179,10 @@ void launch(void (*kernel)(P...), const LaunchConfig& config, A&&... args) {
 
 // Atomics: threads switch only at synchronization points, so a plain
 // read-modify-write is atomic with respect to the other threads.
-template <typename T>
-T atomic_add(T* address, T value) {
+template <typename T, typename F>
+T atomic_update(T* address, F new_value) {
   const T old = *address;
-  *address = old + value;
-  return old;
-}
-template <typename T>
-T atomic_max(T* address, T value) {
-  const T old = *address;
-  *address = old < value ? value : old;
-  return old;
-}
-template <typename T>
-T atomic_min(T* address, T value) {
-  const T old = *address;
-  *address = value < old ? value : old;
-  return old;
-}
-template <typename T>
-T atomic_exchange(T* address, T value) {
-  const T old = *address;
-  *address = value;
-  return old;
-}
-template <typename T>
-T atomic_compare_exchange(T* address, T compare, T value) {
-  const T old = *address;
-  if (old == compare) *address = value;
+  *address = new_value(old);
   return old;
 }
 
@@ -282,33 +259,34 @@ inline double __fma_rn(double a, double b, double c) { return ::fma(a, b, c); }
 inline float __saturatef(float x) { return x != x ? 0.0f : x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
 inline float rsqrtf(float x) { return 1.0f / ::sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / ::sqrt(x); }
-inline int __float_as_int(float x) { return ::cuda_emulation::from_payload<int>(::cuda_emulation::to_payload(x)); }
-inline unsigned __float_as_uint(float x) { return ::cuda_emulation::from_payload<unsigned>(::cuda_emulation::to_payload(x)); }
-inline float __int_as_float(int x) { return ::cuda_emulation::from_payload<float>(::cuda_emulation::to_payload(x)); }
-inline float __uint_as_float(unsigned x) { return ::cuda_emulation::from_payload<float>(::cuda_emulation::to_payload(x)); }
-inline long long __double_as_longlong(double x) { return ::cuda_emulation::from_payload<long long>(::cuda_emulation::to_payload(x)); }
-inline double __longlong_as_double(long long x) { return ::cuda_emulation::from_payload<double>(::cuda_emulation::to_payload(x)); }
+inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
+inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
 template <typename T>
 T __ldg(const T* p) {
   return *p;
 }
 template <typename T>
 T atomicAdd(T* address, T value) {
-  return ::cuda_emulation::atomic_add(address, value);
+  return ::cuda_emulation::atomic_update(address, [&](T old) { return old + value; });
 }
 template <typename T>
 T atomicMax(T* address, T value) {
-  return ::cuda_emulation::atomic_max(address, value);
+  return ::cuda_emulation::atomic_update(address, [&](T old) { return old < value ? value : old; });
 }
 template <typename T>
 T atomicMin(T* address, T value) {
-  return ::cuda_emulation::atomic_min(address, value);
+  return ::cuda_emulation::atomic_update(address, [&](T old) { return value < old ? value : old; });
 }
 template <typename T>
 T atomicExch(T* address, T value) {
-  return ::cuda_emulation::atomic_exchange(address, value);
+  return ::cuda_emulation::atomic_update(address, [&](T) { return value; });
 }
 template <typename T>
 T atomicCAS(T* address, T compare, T value) {
-  return ::cuda_emulation::atomic_compare_exchange(address, compare, value);
+  return ::cuda_emulation::atomic_update(address,
+                                         [&](T old) { return old == compare ? value : old; });
 }
