@@ -48,16 +48,6 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// The largest finite value of a floating dtype.
-double largest_finite(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble: return std::numeric_limits<double>::max();
-    case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::max());
-    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
-    default: return std::numeric_limits<float>::max();
-  }
-}
-
 // d gem / d p summed over reductions, as p's gradient: 0 where torch.clamp's
 // gradient is (p at or beyond [1e-2, 1e2], compared in the accumulation
 // dtype the kernels clamp in), bounded by p's dtype (a sum of many large

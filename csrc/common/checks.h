@@ -8,6 +8,8 @@
 
 #include <limits>
 
+#include "nanfree/numerics.h"
+
 namespace nanfree {
 
 // TypeError in Python.
@@ -41,6 +43,17 @@ inline void check_eps(const char* op, double eps) {
 // Accumulation dtype, also of the saved statistics: float64 for float64, else float32.
 inline at::ScalarType acc_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The largest finite value of a floating dtype: the bound of a saturated
+// output of that dtype (saturate of nanfree/numerics.h).
+inline double largest_finite(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return kFloat16Largest;
+    case at::kBFloat16: return kBFloat16Largest;
+    case at::kFloat: return nf_largest<float>();
+    default: return nf_largest<double>();
+  }
 }
 
 }  // namespace nanfree

@@ -228,12 +228,8 @@ class MnrChunked {
     // Gradients saturate at the largest finite value of the inputs' dtype (a
     // true gradient past its range, or a half one, as the cosine family's); NaN
     // stays NaN through clamp.
-    const double big = dtype_ == at::kHalf       ? 65504.0
-                       : dtype_ == at::kBFloat16 ? 3.3895313892515355e38
-                       : dtype_ == at::kFloat    ? 3.4028234663852886e38
-                                                 : std::numeric_limits<double>::max();
-    const double acc_big =
-        acc_ == at::kFloat ? 3.4028234663852886e38 : std::numeric_limits<double>::max();
+    const double big = largest_finite(dtype_);
+    const double acc_big = largest_finite(acc_);
     at::Tensor out[2];
     for (int i = 0; i < 2; ++i) {
       at::Tensor g = std::move(grads_[i]);  // in place from here: no second copy is held

@@ -191,14 +191,6 @@ void normalize_kernel(const NormalizeArgs& args, double eps_arg) {
   });
 }
 
-// saturate_gradient of a vector: clamp_min and clamp_max return a NaN first
-// operand unchanged, as saturate_gradient keeps NaN.
-template <typename acc_t>
-Vec<acc_t> saturate_gradient_vec(const Vec<acc_t>& x, const Vec<acc_t>& out_max,
-                                 const Vec<acc_t>& out_min) {
-  return at::vec::clamp_max(at::vec::clamp_min(x, out_min), out_max);
-}
-
 template <typename scalar_t>
 void normalize_backward_kernel(const NormalizeBackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -218,10 +210,10 @@ void normalize_backward_kernel(const NormalizeBackwardArgs& args) {
       scalar_t* dx = dx_all + r * d;
       const V dot(row_dot(g, y, d));
       const V p(stats[2 * r]), grad_factor(stats[2 * r + 1]);
-      // saturate_gradient(normalize_grad_value): ((g - y * dot) * grad_factor) * p, saturated.
+      // saturate(normalize_grad_value): ((g - y * dot) * grad_factor) * p, saturated.
       write_row(dx, d, stream, [&](int64_t j, int64_t count) {
         const V grad = ((load_vec(g + j, count) - load_vec(y + j, count) * dot) * grad_factor) * p;
-        return saturate_gradient_vec(grad, out_max, out_min);
+        return saturate_vec(grad, out_max, out_min);
       });
     }
     end_streaming(stream);
@@ -384,22 +376,22 @@ void cosine_backward_kernel(const CosineBackwardArgs& args) {
       const acc_t g = static_cast<acc_t>(g_all[r]), c = static_cast<acc_t>(c_all[r]);
       if (plain_scale(pa) && plain_scale(pb)) {
         const V pav(pa), qav(qa), pbv(pb), qbv(qb), gv(g), cv(c);
-        // saturate_gradient(cosine_grad_value):
+        // saturate(cosine_grad_value):
         // g * (((v_other - c * v_self) * grad_factor_self) * p_self), saturated.
         const V ka(gfa), kb(gfb);
         write_rows(da, db, d, stream, [&](int64_t j, int64_t count) {
           const V va = (load_vec(a + j, count) * pav) * qav;
           const V vb = (load_vec(b + j, count) * pbv) * qbv;
           return std::pair<V, V>(
-              saturate_gradient_vec(gv * (((vb - cv * va) * ka) * pav), out_max, out_min),
-              saturate_gradient_vec(gv * (((va - cv * vb) * kb) * pbv), out_max, out_min));
+              saturate_vec(gv * (((vb - cv * va) * ka) * pav), out_max, out_min),
+              saturate_vec(gv * (((va - cv * vb) * kb) * pbv), out_max, out_min));
         });
       } else {
         for (int64_t j = 0; j < d; ++j) {
           const acc_t va = scaled_entry(static_cast<acc_t>(a[j]), pa) * qa;
           const acc_t vb = scaled_entry(static_cast<acc_t>(b[j]), pb) * qb;
-          da[j] = static_cast<scalar_t>(saturate_gradient(cosine_grad_value(g, va, vb, c, pa, gfa), largest));
-          db[j] = static_cast<scalar_t>(saturate_gradient(cosine_grad_value(g, vb, va, c, pb, gfb), largest));
+          da[j] = static_cast<scalar_t>(saturate(cosine_grad_value(g, va, vb, c, pa, gfa), largest));
+          db[j] = static_cast<scalar_t>(saturate(cosine_grad_value(g, vb, va, c, pb, gfb), largest));
         }
       }
     }

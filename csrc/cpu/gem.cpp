@@ -74,7 +74,7 @@ constexpr double kVectorMaxP = 0x1p100;
 template <typename acc_t>
 struct GemScalars {
   acc_t p;      // clamped for a tensor p (gem_clamp_p), as given for a Python p
-  acc_t eps;    // gem_effective_eps
+  acc_t eps;    // effective_eps
   acc_t inv_p;  // 1 / p, as gem_value forms it
   // Whether the vector path may be used at all: p normal and at most 2^100,
   // so that p log2 r and its parts are finite. Otherwise (a Python p beyond,
@@ -87,9 +87,9 @@ template <typename acc_t>
 GemScalars<acc_t> gem_scalars(const at::Tensor& p_acc, double p_value, double eps) {
   GemScalars<acc_t> k;
   k.p = p_acc.defined() ? gem_clamp_p(p_acc.item<acc_t>()) : static_cast<acc_t>(p_value);
-  k.eps = gem_effective_eps(static_cast<acc_t>(eps));
+  k.eps = effective_eps(static_cast<acc_t>(eps));
   k.inv_p = acc_t(1) / k.p;
-  k.vector_p = k.p >= gem_tiny<acc_t>() && k.p <= acc_t(kVectorMaxP);  // false for NaN
+  k.vector_p = k.p >= nf_tiny<acc_t>() && k.p <= acc_t(kVectorMaxP);  // false for NaN
   return k;
 }
 
@@ -403,7 +403,7 @@ inline Vec<acc_t> divergence_h_vec(const Vec<acc_t>& s, const Vec<acc_t>& t) {
 // direct branch.
 template <typename acc_t>
 inline bool fast_ratios(acc_t m, const GemScalars<acc_t>& k) {
-  return k.vector_p && m > acc_t(0) && m <= gem_big<acc_t>() && k.eps / m >= gem_tiny<acc_t>();
+  return k.vector_p && m > acc_t(0) && m <= nf_largest<acc_t>() && k.eps / m >= nf_tiny<acc_t>();
 }
 
 // ---- forward ----------------------------------------------------------------
@@ -426,7 +426,7 @@ acc_t power_sum_scalar(const scalar_t* x, int64_t n, int64_t xs, const bool* kee
 // the normal range; a NaN s gives m * s there too, as here).
 template <typename acc_t>
 inline acc_t gem_from_power(acc_t m, acc_t mean, acc_t s, acc_t p) {
-  if (mean == acc_t(0) || s < gem_tiny<acc_t>()) return gem_value(m, mean, p);
+  if (mean == acc_t(0) || s < nf_tiny<acc_t>()) return gem_value(m, mean, p);
   return m * s;
 }
 
@@ -940,7 +940,7 @@ void load_reduction_grads(const acc_t* stats, const scalar_t* grad, int64_t coun
     }
   }
   acc_t base_m[kGroupVectors * w], flags[kGroupVectors * w];
-  const V zero(acc_t(0)), one(acc_t(1)), tiny(gem_tiny<acc_t>());
+  const V zero(acc_t(0)), one(acc_t(1)), tiny(nf_tiny<acc_t>());
   for (int64_t l0 = 0; l0 < count; l0 += w) {
     const int64_t c = std::min<int64_t>(w, count - l0);
     const V mv = V::loadu(q.m + l0, c), cntv = V::loadu(q.cnt + l0, c);
@@ -949,7 +949,7 @@ void load_reduction_grads(const acc_t* stats, const scalar_t* grad, int64_t coun
     // false for NaN); then r^(p-1) <= max(1, (m / eps)^(1-p)) is finite and
     // a * r^(p-1) <= max(1, big * tiny / n) needs no bound.
     const V live = (cntv > zero) & (mv != V(std::numeric_limits<acc_t>::infinity()));
-    V fast = live & (mv > zero) & (mv <= V(gem_big<acc_t>())) & (V(k.eps) / mv >= tiny) &
+    V fast = live & (mv > zero) & (mv <= V(nf_largest<acc_t>())) & (V(k.eps) / mv >= tiny) &
              (V::loadu(q.a + l0, c) >= tiny);
     if (!k.vector_p) fast = zero;
     V::blendv(one, mv, fast).store(base_m + l0, c);
@@ -983,7 +983,7 @@ acc_t backward_scalar(const scalar_t* x, scalar_t* dx, int64_t n, int64_t xs, co
     }
     const acc_t xv = static_cast<acc_t>(x[j * xs]);
     dx[j * xs] = static_cast<scalar_t>(
-        gem_saturate(gem_input_grad(g, xv, k.eps, m, mean, cnt, k.p), out_max));
+        saturate(gem_input_grad(g, xv, k.eps, m, mean, cnt, k.p), out_max));
     if (p_grad && live) dsum += gem_divergence_term(clamp_to_eps(xv, k.eps), m, log_mean, k.p);
   }
   return dsum;
@@ -1061,7 +1061,7 @@ template <bool kPGrad, typename acc_t>
                                               at::vec::fmadd(b.p_ln2_lo, lr.sum(), e.neg_log_mean)));
     h = divergence_h_vec(s, rp1 * (c * e.t_scale));  // t = r^(p-1) c / (m mean)
   }
-  // gem_unclamped: x > eps (no NaN on the fast path); then gem_saturate.
+  // gem_unclamped: x > eps (no NaN on the fast path); then saturate.
   return at::vec::clamp_max(at::vec::clamp_min(where_greater(x, b.eps, grad), zero - b.out_max),
                             b.out_max);
 }
@@ -1101,7 +1101,7 @@ double p_grad_sum(const ReductionGrads<acc_t>& q, const acc_t* dsum, int64_t cou
                   const GemScalars<acc_t>& k) {
   using V = Vec<acc_t>;
   constexpr int64_t w = V::size();
-  const V zero(acc_t(0)), big(gem_big<acc_t>()), pp(k.p * k.p);
+  const V zero(acc_t(0)), big(nf_largest<acc_t>()), pp(k.p * k.p);
   acc_t term[w];
   NeumaierSum dp;
   for (int64_t l0 = 0; l0 < count; l0 += w) {

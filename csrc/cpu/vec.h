@@ -198,10 +198,18 @@ inline at::opmath_type<scalar_t> row_sum(const scalar_t* a, int64_t n) {
 }
 
 // The largest finite value of scalar_t, in its accumulation type: the bound of
-// a saturated gradient (saturate_gradient, gem_saturate).
+// a saturated gradient (saturate of nanfree/numerics.h).
 template <typename scalar_t>
 at::opmath_type<scalar_t> largest_finite() {
   return static_cast<at::opmath_type<scalar_t>>(std::numeric_limits<scalar_t>::max());
+}
+
+// saturate (nanfree/numerics.h) of a vector, between out_min = -out_max and
+// out_max: clamp_min and clamp_max return a NaN first operand unchanged, as
+// saturate keeps NaN.
+template <typename acc_t>
+Vec<acc_t> saturate_vec(const Vec<acc_t>& x, const Vec<acc_t>& out_max, const Vec<acc_t>& out_min) {
+  return at::vec::clamp_max(at::vec::clamp_min(x, out_min), out_max);
 }
 
 }  // namespace cpu

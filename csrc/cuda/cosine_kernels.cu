@@ -227,7 +227,7 @@ __device__ __forceinline__ void store_normalize_grad(scalar_t* d_row, int64_t vi
   acc_t dx[kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
-    dx[i] = saturate_gradient(normalize_grad_value(g[i], y[i], dot, p, grad_factor),
+    dx[i] = saturate(normalize_grad_value(g[i], y[i], dot, p, grad_factor),
                               largest_finite<scalar_t>());
   }
   store_acc<kVec>(d_row + vi * kVec, dx);
@@ -410,9 +410,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int i = 0; i < kVec; ++i) {
         const acc_t v1 = scaled_entry(a[i], p1) * q1;
         const acc_t v2 = scaled_entry(b[i], p2) * q2;
-        da[i] = saturate_gradient(cosine_grad_value(g, v1, v2, c, p1, gf1),
+        da[i] = saturate(cosine_grad_value(g, v1, v2, c, p1, gf1),
                                   largest_finite<scalar_t>());
-        db[i] = saturate_gradient(cosine_grad_value(g, v2, v1, c, p2, gf2),
+        db[i] = saturate(cosine_grad_value(g, v2, v1, c, p2, gf2),
                                   largest_finite<scalar_t>());
       }
       store_acc<kVec>(grad_x1 + offset + vi * kVec, da);

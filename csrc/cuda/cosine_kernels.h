@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-#include "cuda/softmax_kernels.h"  // acc_of_t, the accumulation type of every family
+#include "cuda/device_types.h"
 
 namespace nanfree {
 namespace gpu {

@@ -15,7 +15,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "cuda/softmax_kernels.h"  // acc_of_t, the accumulation type of every family
+#include "cuda/device_types.h"
+#include "nanfree/numerics.h"
 
 namespace nanfree {
 namespace gpu {
@@ -34,15 +35,15 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxBlocks = NANFREE_CUDA_MAX_BLOCKS;
 
 // The largest finite value of scalar_t, in its accumulation type (the bound of a
-// saturated gradient: saturate_gradient, gem_saturate).
+// saturated gradient: saturate of nanfree/numerics.h).
 template <typename scalar_t>
 __device__ __forceinline__ acc_of_t<scalar_t> largest_finite() {
   if constexpr (std::is_same_v<scalar_t, __half>) {
-    return 65504.0f;
+    return static_cast<float>(kFloat16Largest);
   } else if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-    return 3.38953139e38f;  // 0x7f7f
+    return static_cast<float>(kBFloat16Largest);
   } else {
-    return std::numeric_limits<scalar_t>::max();
+    return nf_largest<scalar_t>();
   }
 }
 

@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at
       // gem_p_grad_total: the terms (each within acc's range) summed in
       // float64 scaled by 2^-64, so that the sum cannot overflow (no inf - inf),
       // then clamped to acc's range and scaled back. NaN (a NaN term) stays.
-      const double bound = static_cast<double>(gem_big<acc_t>()) * kGemPGradScale;
+      const double bound = static_cast<double>(nf_largest<acc_t>()) * kGemPGradScale;
       args.grad_p.copy_((terms.to(at::kDouble) * kGemPGradScale).sum().clamp(-bound, bound) /
                         kGemPGradScale);
     }

@@ -287,12 +287,12 @@ __device__ __forceinline__ acc_t entry_grad(const BackwardReduction<acc_t>& b, a
   const acc_t r = c / b.m;
   const acc_t rp1 = nf_pow(r, pm1);
   acc_t w;
-  if (b.a >= gem_tiny<acc_t>() && r >= gem_tiny<acc_t>() && rp1 <= gem_big<acc_t>()) {
+  if (b.a >= nf_tiny<acc_t>() && r >= nf_tiny<acc_t>() && rp1 <= nf_largest<acc_t>()) {
     w = b.a * rp1;
   } else {
     w = gem_input_grad_weight(c, b.m, b.mean, b.count, p);  // the log domain; NaN stays NaN
   }
-  w = w > gem_big<acc_t>() ? gem_big<acc_t>() : w;  // as the header: a 0 g must not meet inf
+  w = w > nf_largest<acc_t>() ? nf_largest<acc_t>() : w;  // as the header: a 0 g must not meet inf
   return b.g * w;
 }
 
@@ -307,7 +307,7 @@ __device__ __forceinline__ acc_t entry_backward(const BackwardReduction<acc_t>& 
                                                 acc_t& term) {
   if (!keep || !b.live) return acc_t(0);
   if constexpr (kPGrad) term += gem_divergence_term(clamp_to_eps(x, eps), b.m, b.log_mean, p);
-  return gem_saturate(entry_grad(b, x, eps, p, pm1), largest_finite<scalar_t>());
+  return saturate(entry_grad(b, x, eps, p, pm1), largest_finite<scalar_t>());
 }
 
 // gem_p_grad of one reduction given the sum of its divergence terms; 0 for a
@@ -816,7 +816,7 @@ cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mas
   using acc_t = acc_of_t<scalar_t>;
   // n == 0 still launches: the empty reductions' outputs and stats are written.
   if (layout.outer <= 0 || layout.inner <= 0 || layout.n < 0) return cudaSuccess;
-  const acc_t eps_acc = gem_effective_eps(static_cast<acc_t>(eps));
+  const acc_t eps_acc = effective_eps(static_cast<acc_t>(eps));
   const acc_t p_acc = static_cast<acc_t>(p_value);
   if (layout.inner > 1) {
     const StridedPlan plan = strided_plan(layout);
@@ -851,7 +851,7 @@ cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout 
                          acc_of_t<scalar_t>* p_grad_terms, cudaStream_t stream) {
   using acc_t = acc_of_t<scalar_t>;
   const bool p_grad = p_grad_terms != nullptr;
-  const acc_t eps_acc = gem_effective_eps(static_cast<acc_t>(eps));
+  const acc_t eps_acc = effective_eps(static_cast<acc_t>(eps));
   const acc_t p_acc = static_cast<acc_t>(p_value);
   // Nothing to read or write when there is no entry (no term written then).
   if (layout.outer <= 0 || layout.inner <= 0 || layout.n <= 0) return cudaSuccess;

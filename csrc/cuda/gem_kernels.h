@@ -12,7 +12,7 @@
 // input). p is either a tensor (`p_tensor`: one acc_of_t<scalar_t> value, not
 // yet clamped: the kernels clamp it with gem_clamp_p, so the host never reads
 // it) or, when p_tensor is nullptr, the Python number `p_value` (finite, > 0,
-// used as is). `eps` is the op's: the kernels raise it with gem_effective_eps
+// used as is). `eps` is the op's: the kernels raise it with effective_eps
 // in the accumulation type. Element types: float, double, __half,
 // __nv_bfloat16. Each launcher returns cudaGetLastError() after its last
 // launch, and cudaSuccess without launching when there is nothing to compute.
@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-#include "cuda/softmax_kernels.h"  // acc_of_t, the accumulation type of every family
+#include "cuda/device_types.h"
 
 namespace nanfree {
 namespace gpu {

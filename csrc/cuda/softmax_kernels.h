@@ -21,22 +21,11 @@
 
 #include <cstdint>
 
+#include "cuda/device_types.h"
 #include "nanfree/softmax_math.h"
 
 namespace nanfree {
 namespace gpu {
-
-// Accumulation type: fp16/bf16/float accumulate in float, double in double.
-template <typename scalar_t>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-template <typename scalar_t>
-using acc_of_t = typename AccOf<scalar_t>::type;
 
 // Forward of softmax / log_softmax (output of the input's shape) or logsumexp
 // (output [outer, inner], the logsumexp cast to scalar_t). stats always

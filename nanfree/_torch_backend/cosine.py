@@ -14,12 +14,10 @@ import torch
 
 from .._cosine_checks import (check_cos_sim_matrix, check_cosine, check_cosine_backward,
                               check_normalize, check_normalize_backward)
-
-INF = float("inf")
-
+from .numerics import INF, acc_dtype, effective_eps, nf_largest, saturate
 
 def _acc(t):
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    return t.to(acc_dtype(t.dtype))
 
 
 def norm_scale(amax):
@@ -41,10 +39,6 @@ def scaled_entry(x, p):
     """x * p, or for an infinite vector (p == 0) the limit: +-1 at +-inf, 0 elsewhere."""
     limit = torch.where(torch.isinf(x), torch.sign(x), 0.0)
     return torch.where(p == 0, limit, x * p)
-
-
-def effective_eps(eps, dtype):
-    return max(eps, torch.finfo(dtype).tiny)
 
 
 def norm_at_least(p, ssq, eps):
@@ -85,11 +79,10 @@ def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
     return g * (((v_other - c * v_self) * grad_factor_self) * p_self)
 
 
-def saturate_gradient(x, dtype):
+def _saturate_to(x, dtype):
     # A gradient beyond `dtype`'s largest finite value (float16: vectors of norm
     # at least eps but under 1.5e-5) saturates rather than rounding to inf; NaN stays.
-    big = torch.finfo(dtype).max
-    return x.clamp(-big, big)
+    return saturate(x, nf_largest(dtype))
 
 
 def _vector_state(x, eps):
@@ -115,7 +108,7 @@ def normalize_backward(grad_output, output, stats):
     p, grad_factor = stats[..., :1], stats[..., 1:]
     dot = (g * y).sum(dim=-1, keepdim=True)
     grad = normalize_grad_value(g, y, dot, p, grad_factor)
-    return saturate_gradient(grad, output.dtype).to(output.dtype).contiguous()
+    return _saturate_to(grad, output.dtype).to(output.dtype).contiguous()
 
 
 def cosine_similarity(x1, x2, eps):
@@ -137,8 +130,8 @@ def cosine_similarity_backward(grad_output, x1, x2, output, stats):
     g, c = _acc(grad_output).unsqueeze(-1), _acc(output).unsqueeze(-1)
     dx1 = cosine_grad_value(g, v1, v2, c, p1, gf1)
     dx2 = cosine_grad_value(g, v2, v1, c, p2, gf2)
-    return (saturate_gradient(dx1, x1.dtype).to(x1.dtype).contiguous(),
-            saturate_gradient(dx2, x2.dtype).to(x2.dtype).contiguous())
+    return (_saturate_to(dx1, x1.dtype).to(x1.dtype).contiguous(),
+            _saturate_to(dx2, x2.dtype).to(x2.dtype).contiguous())
 
 
 def cos_sim_matrix(a, b):

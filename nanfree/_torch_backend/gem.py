@@ -27,20 +27,12 @@ import math
 
 import torch
 
-from .._checks import acc_dtype
 from .._gem_checks import check_gem, check_gem_backward
+from .numerics import INF, acc_dtype, effective_eps, nf_largest, nf_tiny, saturate
 
-INF = float("inf")
+
 GEM_MIN_P = 1e-2
 GEM_MAX_P = 1e2
-
-
-def gem_tiny(dtype):
-    return torch.finfo(dtype).tiny
-
-
-def gem_big(dtype):
-    return torch.finfo(dtype).max
 
 
 def gem_clamp_p(p):
@@ -51,12 +43,6 @@ def gem_clamp_p(p):
 def gem_p_in_range(p):
     """torch.clamp's gradient mask: p strictly inside (1e-2, 1e2)."""
     return (p > GEM_MIN_P) & (p < GEM_MAX_P)
-
-
-def gem_effective_eps(eps, dtype):
-    # An eps below the accumulation type's smallest normal is raised to it:
-    # log(eps) and m / eps stay finite.
-    return max(eps, gem_tiny(dtype))
 
 
 def clamp_to_eps(x, eps):
@@ -86,7 +72,7 @@ def gem_log_ratio(c, m):
     # log r; a ratio below the normal range lost bits or underflowed to 0
     # (log 0 = -inf): there log c - log m, finite since c >= eps >= tiny.
     r = c / m
-    return torch.where(r < gem_tiny(c.dtype), torch.log(c) - torch.log(m), torch.log(r))
+    return torch.where(r < nf_tiny(c.dtype), torch.log(c) - torch.log(m), torch.log(r))
 
 
 def gem_ratio_power(c, m, p):
@@ -95,7 +81,7 @@ def gem_ratio_power(c, m, p):
     r = c / m
     direct = torch.pow(r, p)
     logd = torch.exp(p * (torch.log(c) - torch.log(m)))
-    out = torch.where(r < gem_tiny(c.dtype), logd, direct)  # r NaN -> direct (NaN)
+    out = torch.where(r < nf_tiny(c.dtype), logd, direct)  # r NaN -> direct (NaN)
     return torch.where(m == INF, gem_ratio(c, m), out)
 
 
@@ -109,7 +95,7 @@ def gem_value(m, mean, p):
     underflows; +inf for m = +inf; NaN stays."""
     s = torch.pow(mean, 1.0 / p)
     logd = torch.exp(torch.log(m) + torch.log(mean) / p)
-    out = torch.where(s < gem_tiny(m.dtype), logd, m * s)
+    out = torch.where(s < nf_tiny(m.dtype), logd, m * s)
     return torch.where(mean == 0, 0.0, out)
 
 
@@ -123,16 +109,16 @@ def gem_input_grad_weight(c, m, mean, count, p):
     log domain where the direct product could be inf * 0 (p < 1, tiny r) or
     the ratio is below the normal range;
     bounded by the type's largest value."""
-    big = gem_big(c.dtype)
+    big = nf_largest(c.dtype)
     a = torch.pow(mean, 1.0 / p - 1.0) / count
     r = c / m
     rp1 = torch.pow(r, p - 1.0)
     # A ratio below the normal range lost bits (or is 0: 0^(p-1) = inf for p < 1).
-    direct_ok = (a >= gem_tiny(c.dtype)) & (r >= gem_tiny(c.dtype)) & (rp1 <= big)
+    direct_ok = (a >= nf_tiny(c.dtype)) & (r >= nf_tiny(c.dtype)) & (rp1 <= big)
     logd = torch.exp((1.0 / p - 1.0) * torch.log(mean) - torch.log(count)
                      + (p - 1.0) * gem_log_ratio(c, m))
     w = torch.where(direct_ok, a * rp1, logd)  # NaN fails direct_ok and stays NaN
-    return torch.where(w > big, big, w)  # a 0 incoming gradient must not meet inf
+    return saturate(w, big)  # a 0 incoming gradient must not meet inf; NaN stays
 
 
 def gem_input_grad(g, x, eps, m, mean, count, p):
@@ -174,10 +160,10 @@ def gem_divergence_term(c, m, log_mean, p):
 def gem_p_grad(g, gem, m, count, divergence, p):
     """g * gem * D / p^2 of a reduction with gradient, else 0 (D in [0, log n]);
     gem * D / p^2 is bounded by the type's range before meeting g."""
-    big = gem_big(m.dtype)
-    v = (gem * (divergence / (p * p))).clamp(-big, big)  # NaN stays
+    big = nf_largest(m.dtype)
+    v = saturate(gem * (divergence / (p * p)), big)  # NaN stays
     # g * v saturated too: the sum over reductions must never meet inf - inf.
-    return torch.where(gem_has_gradient(m, count), (g * v).clamp(-big, big), 0.0)
+    return torch.where(gem_has_gradient(m, count), saturate(g * v, big), 0.0)
 
 
 GEM_P_GRAD_SCALE = 2.0 ** -64
@@ -186,15 +172,9 @@ GEM_P_GRAD_SCALE = 2.0 ** -64
 def gem_p_grad_total(terms, acc):
     """The sum of every reduction's gem_p_grad, in float64 with each term scaled by
     2^-64 (no overflow, even for float64 terms), clamped to acc's range, scaled back."""
-    bound = gem_big(acc) * GEM_P_GRAD_SCALE
+    bound = nf_largest(acc) * GEM_P_GRAD_SCALE
     scaled = (terms.double() * GEM_P_GRAD_SCALE).sum()
-    return (scaled.clamp(-bound, bound) / GEM_P_GRAD_SCALE).to(acc)  # NaN stays
-
-
-def gem_saturate(x, dtype):
-    # Into dtype's finite range (fp16 gradients for p < 1); NaN stays.
-    big = gem_big(dtype)
-    return x.clamp(-big, big)
+    return (saturate(scaled, bound) / GEM_P_GRAD_SCALE).to(acc)  # NaN stays
 
 
 # -- the ops -----------------------------------------------------------------
@@ -232,7 +212,7 @@ def gem(input, p, p_value, eps, mask=None):
     check_gem(input, p, p_value, eps, mask)
     acc = acc_dtype(input.dtype)
     pv = gem_p_acc(p, p_value, acc, input.device)
-    eps_a = gem_effective_eps(float(eps), acc)
+    eps_a = effective_eps(float(eps), acc)
     x = input.to(acc)
     _, m, mean, count = _reduce_state(x, eps_a, mask, pv)
     out = gem_value(m, mean, pv).squeeze(1)
@@ -246,14 +226,15 @@ def gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad):
     check_gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad)
     acc = acc_dtype(input.dtype)
     pv = gem_p_acc(p, p_value, acc, input.device)
-    eps_a = gem_effective_eps(float(eps), acc)
+    eps_a = effective_eps(float(eps), acc)
     m, mean, count = (s.unsqueeze(1) for s in stats.unbind(-1))
     x = input.to(acc)
     g = grad_output.to(acc).unsqueeze(1)
     dx = gem_input_grad(g, x, eps_a, m, mean, count, pv)
     if mask is not None:
         dx = torch.where(mask, dx, 0.0)  # a masked entry gets 0, even NaN or inf
-    grad_input = gem_saturate(dx, input.dtype).to(input.dtype)
+    # Into the input dtype's finite range (fp16 gradients for p < 1); NaN stays.
+    grad_input = saturate(dx, nf_largest(input.dtype)).to(input.dtype)
     if not p_grad:
         return grad_input, input.new_empty((0,), dtype=acc)
     # gem in the accumulation type from the stats, not the output rounded to

@@ -6,7 +6,7 @@ wraps them into the ops, which take raw embeddings."""
 
 import torch
 
-from .._checks import acc_dtype
+from .numerics import acc_dtype
 from .._mnr_checks import (MnrProblem, check_mnr_loss, check_mnr_loss_backward, no_gradients,
                            reduce_loss, scaled_upstream, unscaled, upstream_per_row)
 from .._mnr_normalization import on_raw_embeddings

@@ -58,7 +58,9 @@ from .._cosine_checks import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matri
                               per_vector_shape, stats_dtype, vector_rows)
 from . import common
 from .common import device_guard
-from .element_io import ieee_div, load_acc, store_rounded, widen
+from .element_io import ieee_div, load_acc, store_rounded, store_saturated, widen
+from .numerics import (effective_eps, max_normal_exponent, min_normal_exponent, nf_ilogb,
+                       nf_ldexp, nf_sqrt)
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # Row kernels: rows of at most MAX_FUSED_D entries are loaded once, in tiles of
@@ -76,83 +78,6 @@ GEMM_BLOCK_K = 32
 GEMM_GROUP_N = 8
 GEMM_NUM_WARPS = 4
 GEMM_NUM_STAGES = 3
-
-
-# ---------------------------------------------------------------------------
-# Float helpers of the header (nf_sqrt, nf_ilogb, nf_ldexp, exponent range)
-# ---------------------------------------------------------------------------
-
-
-@triton.jit
-def nf_sqrt(x):
-    # Rounded to nearest, as sqrtf / sqrt (Triton's float32 tl.sqrt is approximate).
-    if x.dtype == tl.float64:
-        return tl.sqrt(x)
-    else:
-        return tl.sqrt_rn(x)
-
-
-@triton.jit
-def min_normal_exponent(x):
-    """Exponent range of the normal numbers of x's dtype: 2^e is normal for e in [min, max]."""
-    if x.dtype == tl.float64:
-        return -1022
-    else:
-        return -126  # float32
-
-
-@triton.jit
-def max_normal_exponent(x):
-    if x.dtype == tl.float64:
-        return 1023
-    else:
-        return 127  # float32
-
-
-@triton.jit
-def _ilogb_bits(x, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-                LIFT: tl.constexpr):
-    """nf_ilogb of a float of MANT mantissa bits and exponent bias BIAS, whose
-    bits read as INT; LIFT = 2^(MANT + 1)."""
-    # A subnormal (exponent field 0) is first lifted by the exact factor LIFT
-    # into the normals, where the exponent field tells its exponent.
-    lift = (x.to(INT, bitcast=True) >> MANT) == 0
-    y = tl.where(lift, x * LIFT, x)
-    field = ((y.to(INT, bitcast=True) >> MANT) & (2 * BIAS + 1)).to(tl.int32)
-    return field - BIAS - tl.where(lift, MANT + 1, 0)
-
-
-@triton.jit
-def nf_ilogb(x):
-    """ilogb(x) (the exponent e of x = m * 2^e, 1 <= m < 2) for x > 0 finite,
-    read from the exponent bits (Triton's interpreter has no libdevice); the
-    caller gives 0, inf and NaN no exponent."""
-    if x.dtype == tl.float64:
-        return _ilogb_bits(x, tl.int64, 52, 1023, 9007199254740992.0)
-    else:
-        return _ilogb_bits(x, tl.int32, 23, 127, 16777216.0)
-
-
-@triton.jit
-def _pow2_bits(e, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
-    """The bits (as INT) of 2^e, normal or subnormal, for a float of MANT
-    mantissa bits and exponent bias BIAS."""
-    ei = tl.cast(e, INT)
-    normal = (ei + BIAS) << MANT
-    # A subnormal power of two is one mantissa bit; the shift is kept >= 0 where unused.
-    subnormal = tl.full(ei.shape, 1, INT) << tl.maximum(ei + (BIAS - 1 + MANT), 0)
-    return tl.where(ei >= 1 - BIAS, normal, subnormal)
-
-
-@triton.jit
-def nf_ldexp(x, e):
-    """x * 2^e for an int32 e such that 2^e is a float of x's dtype, normal or
-    subnormal (e in [min_normal_exponent - mantissa bits, max_normal_exponent]):
-    the power of two is built from its bits, so it is exact."""
-    if x.dtype == tl.float64:
-        return x * _pow2_bits(e, tl.int64, 52, 1023).to(tl.float64, bitcast=True)
-    else:
-        return x * _pow2_bits(e, tl.int32, 23, 127).to(tl.float32, bitcast=True)
 
 
 # ---------------------------------------------------------------------------
@@ -182,14 +107,6 @@ def scaled_entry(x, p):
     # +-1 at an infinite entry, 0 at a finite one (x * 0 would be NaN at +-inf).
     limit = tl.where(tl.abs(x) == float("inf"), tl.where(x > 0, 1.0, -1.0), 0.0)
     return tl.where(p == 0, limit, x * p)
-
-
-@triton.jit
-def effective_eps(eps):
-    # The smallest eps the accumulation type can invert: a smaller one (even one
-    # the caller passes, say 1e-45 in float) is raised to it, so 1/eps is finite.
-    tiny = nf_ldexp(tl.full([], 1.0, eps.dtype), min_normal_exponent(eps))
-    return tl.where(eps < tiny, tiny, eps)
 
 
 @triton.jit
@@ -264,28 +181,6 @@ def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
 # ---------------------------------------------------------------------------
 # Helpers shared by the row kernels (no special-value rule in here)
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def saturate_gradient(x, out_max):
-    # A gradient entry beyond the output type's largest finite value `out_max`
-    # (float16: a vector of norm at least eps but under 1.5e-5 has gradients
-    # near 1 / norm) saturates to +-out_max rather than rounding to inf; NaN stays.
-    return tl.where(x > out_max, out_max, tl.where(x < -out_max, -out_max, x))
-
-
-@triton.jit
-def _store_gradient(ptr, offs, x, mask):
-    """_store of a gradient: saturate_gradient to the largest finite value of ptr's dtype."""
-    if ptr.dtype.element_ty == tl.float16:
-        store_rounded(ptr, offs, saturate_gradient(x, 65504.0), mask)
-    elif ptr.dtype.element_ty == tl.bfloat16:
-        store_rounded(ptr, offs, saturate_gradient(x, 3.3895313892515355e38), mask)
-    elif ptr.dtype.element_ty == tl.float32:
-        store_rounded(ptr, offs, saturate_gradient(x, 3.4028234663852886e38), mask)
-    else:  # float64: its largest finite value, held as a float64
-        store_rounded(ptr, offs, saturate_gradient(x, tl.full([], 1.7976931348623157e308,
-                                                              tl.float64)), mask)
 
 
 @triton.jit
@@ -389,7 +284,7 @@ def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
         y = load_acc(y_ptr, offs, inside, ACC)
         dot = tl.sum(g * y, axis=1)[:, None]
         grad = normalize_grad_value(g, y, dot, p, grad_factor)
-        _store_gradient(gi_ptr, offs, grad, inside)
+        store_saturated(gi_ptr, offs, grad, inside)
     else:
         partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
         for start in range(0, d, BLOCK_D):
@@ -401,7 +296,7 @@ def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
             g = load_acc(go_ptr, offs, inside, ACC)
             y = load_acc(y_ptr, offs, inside, ACC)
             grad = normalize_grad_value(g, y, dot, p, grad_factor)
-            _store_gradient(gi_ptr, offs, grad, inside)
+            store_saturated(gi_ptr, offs, grad, inside)
 
 
 @triton.jit
@@ -470,8 +365,8 @@ def _cosine_backward_kernel(go_ptr, x1_ptr, x2_ptr, c_ptr, stats_ptr, g1_ptr, g2
         offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
         v1 = scaled_entry(load_acc(x1_ptr, offs, inside, ACC), p1) * q1
         v2 = scaled_entry(load_acc(x2_ptr, offs, inside, ACC), p2) * q2
-        _store_gradient(g1_ptr, offs, cosine_grad_value(g, v1, v2, c, p1, gf1), inside)
-        _store_gradient(g2_ptr, offs, cosine_grad_value(g, v2, v1, c, p2, gf2), inside)
+        store_saturated(g1_ptr, offs, cosine_grad_value(g, v1, v2, c, p1, gf1), inside)
+        store_saturated(g2_ptr, offs, cosine_grad_value(g, v2, v1, c, p2, gf2), inside)
 
 
 # ---------------------------------------------------------------------------

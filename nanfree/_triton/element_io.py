@@ -1,9 +1,12 @@
 """Element access and exact arithmetic shared by the Triton kernels of every op
-family: loads and stores that treat bfloat16 exactly (through its bits) and
-division rounded to nearest as C++'s `/`. No special-value rule lives here."""
+family: loads and stores that treat bfloat16 exactly (through its bits),
+saturated stores of gradients, and division rounded to nearest as C++'s `/`.
+No special-value rule lives here."""
 
 import triton
 import triton.language as tl
+
+from .numerics import largest_finite, saturate
 
 
 @triton.jit
@@ -31,6 +34,13 @@ def store_rounded(ptr, offs, x, mask):
         tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bits.to(tl.uint16), mask=mask)
     else:
         tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_saturated(ptr, offs, x, mask):
+    """store_rounded of a gradient saturated to the largest finite value of
+    ptr's dtype (numerics' saturate: an inf would become NaN downstream)."""
+    store_rounded(ptr, offs, saturate(x, largest_finite(ptr)), mask)
 
 
 @triton.jit

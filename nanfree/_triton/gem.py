@@ -79,14 +79,15 @@ was imported), CUDA tensors when compiled.
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .._checks import acc_dtype
 from .._gem_checks import check_gem, check_gem_backward, output_shape, stats_shape
 from .._torch_backend.gem import gem_p_grad_total
 from . import common
 from .common import device_guard
-from .element_io import ieee_div, load_acc, store_rounded
+from .element_io import ieee_div, load_acc, store_rounded, store_saturated
+from .numerics import (COMPILED, effective_eps, nf_exp, nf_largest, nf_log, nf_pow, nf_tiny,
+                       saturate)
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # inner == 1: in the forward, rows of at most MAX_FUSED_N entries are loaded
@@ -111,63 +112,6 @@ MAX_WARPS = 8
 
 GEM_MIN_P = tl.constexpr(1e-2)
 GEM_MAX_P = tl.constexpr(1e2)
-
-
-# ---------------------------------------------------------------------------
-# Float helpers of the header (nf_pow, nf_exp, nf_log, type limits); _COMPILED
-# (defined with the launchers) says whether libdevice is there.
-# ---------------------------------------------------------------------------
-
-
-@triton.jit
-def nf_exp(x):
-    if _COMPILED:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)  # numpy's, in the interpreter
-
-
-@triton.jit
-def nf_log(x):
-    if _COMPILED:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
-def nf_pow(x, y):
-    """pow(x, y) of the C library for x >= 0 (or NaN): libdevice's when
-    compiled; in the interpreter (no libdevice) exp(y log x) in float64."""
-    if _COMPILED:
-        return libdevice.pow(x, y)
-    else:
-        xd = x.to(tl.float64)
-        yd = y.to(tl.float64)
-        v = tl.exp(yd * tl.log(xd))
-        # C's pow(x, 0) and pow(1, y) are 1 even for a 0, inf or NaN other
-        # operand, where y log x would be 0 * inf or NaN. (Two wheres: y may be
-        # 0-d, and the interpreter cannot `|` a 0-d bool with a tensor.)
-        v = tl.where(xd == 1.0, 1.0, tl.where(yd == 0.0, 1.0, v))
-        return v.to(x.dtype)
-
-
-@triton.jit
-def gem_tiny(x):
-    """The smallest positive normal of x's dtype (float32 or float64)."""
-    if x.dtype == tl.float64:
-        return 2.2250738585072014e-308
-    else:
-        return 1.1754943508222875e-38
-
-
-@triton.jit
-def gem_big(x):
-    """The largest finite value of x's dtype (float32 or float64)."""
-    if x.dtype == tl.float64:
-        return 1.7976931348623157e308
-    else:
-        return 3.4028234663852886e38
 
 
 @triton.jit
@@ -204,13 +148,6 @@ def gem_clamp_p(p):
 
 
 @triton.jit
-def gem_effective_eps(eps):
-    # An eps below the smallest normal is raised to it: log(eps) and m / eps stay finite.
-    tiny = gem_tiny(eps)
-    return tl.where(eps < tiny, tiny, eps)
-
-
-@triton.jit
 def clamp_to_eps(x, eps):
     # max(x, eps) as torch.clamp: negatives, zeros and -inf become eps; NaN
     # stays NaN (x < eps is false for it), +inf stays +inf.
@@ -243,7 +180,7 @@ def gem_log_ratio(c, m):
     since c >= eps >= the smallest normal."""
     r = ieee_div(c, m)
     out = nf_log(r)
-    low = r < gem_tiny(r)
+    low = r < nf_tiny(r)
     if _any_entry(low):
         out = tl.where(low, nf_log(c) - nf_log(m), out)
     return out
@@ -257,7 +194,7 @@ def gem_ratio_power(c, m, p):
     r = ieee_div(c, m)
     out = nf_pow(r, p)
     # The header returns the limit for m = +inf before this test.
-    low = (r < gem_tiny(r)) & (m != float("inf"))
+    low = (r < nf_tiny(r)) & (m != float("inf"))
     if _any_entry(low):
         out = tl.where(low, nf_exp(p * (nf_log(c) - nf_log(m))), out)
     return tl.where(m == float("inf"), gem_ratio(c, m), out)  # inf / inf would be NaN
@@ -283,7 +220,7 @@ def gem_value(m, mean, p):
     empty set; +inf for m = +inf (mean >= 1/n > 0 there); NaN stays."""
     s = nf_pow(mean, ieee_div(1.0, p))
     logd = nf_exp(nf_log(m) + ieee_div(nf_log(mean), p))
-    out = tl.where(s < gem_tiny(s), logd, m * s)  # a NaN s fails the test: m * s, NaN
+    out = tl.where(s < nf_tiny(s), logd, m * s)  # a NaN s fails the test: m * s, NaN
     return tl.where(mean == 0.0, 0.0, out)  # the empty set (log 0 would be -inf)
 
 
@@ -300,8 +237,8 @@ def gem_input_grad_weight(c, m, mean, count, p):
     reduction with gradient; in the log domain where the direct product could
     be inf * 0 (p < 1, tiny r) or the ratio is below the normal range;
     bounded by the type's largest value."""
-    tiny = gem_tiny(c)
-    big = gem_big(c)
+    tiny = nf_tiny(c)
+    big = nf_largest(c)
     a = ieee_div(nf_pow(mean, ieee_div(1.0, p) - 1.0), count)
     r = ieee_div(c, m)
     rp1 = nf_pow(r, p - 1.0)
@@ -313,7 +250,7 @@ def gem_input_grad_weight(c, m, mean, count, p):
         logd = nf_exp((ieee_div(1.0, p) - 1.0) * nf_log(mean) - nf_log(count)
                       + (p - 1.0) * gem_log_ratio(c, m))
         w = tl.where(direct, w, logd)
-    return tl.where(w > big, big, w)  # inf * 0 must not meet a 0 g; NaN stays
+    return saturate(w, big)  # inf * 0 must not meet a 0 g; NaN stays
 
 
 @triton.jit
@@ -390,38 +327,15 @@ def gem_p_grad(g, gem, m, count, divergence, p):
     """g * gem * D / p^2 of a reduction with gradient, else 0 (D in
     [0, log n]); gem * D / p^2 is bounded by the type's range before meeting
     g, so that g = 0 gives 0."""
-    big = gem_big(gem)
-    v = gem * ieee_div(divergence, p * p)
-    v = tl.where(v > big, big, tl.where(v < -big, -big, v))  # NaN stays
+    big = nf_largest(gem)
+    v = saturate(gem * ieee_div(divergence, p * p), big)  # NaN stays
     # g * v saturated too: the sum over reductions must never meet inf - inf.
-    term = g * v
-    term = tl.where(term > big, big, tl.where(term < -big, -big, term))
-    return tl.where(gem_has_gradient(m, count), term, 0.0)
-
-
-@triton.jit
-def gem_saturate(x, out_max):
-    # Into the output type's finite range (an fp16 gradient for p < 1 and an
-    # entry far below the maximum exceeds 65504); NaN stays NaN.
-    return tl.where(x > out_max, out_max, tl.where(x < -out_max, -out_max, x))
+    return tl.where(gem_has_gradient(m, count), saturate(g * v, big), 0.0)
 
 
 # ---------------------------------------------------------------------------
 # Helpers shared by the kernels (no special-value rule in here)
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _dtype_max(ptr):
-    """The largest finite value of ptr's element dtype."""
-    if ptr.dtype.element_ty == tl.float16:
-        return 65504.0
-    elif ptr.dtype.element_ty == tl.bfloat16:
-        return 3.3895313892515355e38
-    elif ptr.dtype.element_ty == tl.float32:
-        return 3.4028234663852886e38
-    else:
-        return 1.7976931348623157e308
 
 
 @triton.jit
@@ -477,7 +391,7 @@ def _sum_entries(v):
     rows one after the other (a running sum: its pairwise summation only runs
     along the contiguous axis): there the tile's two halves are added, until
     one row is left."""
-    if _COMPILED:
+    if COMPILED:
         return tl.sum(v, 0)
     else:
         while v.shape[0] > 1:
@@ -522,8 +436,8 @@ def _p_in(p_ptr, p_value, ACC: tl.constexpr, P_TENSOR: tl.constexpr):
 
 @triton.jit
 def _eps_in(eps, ACC: tl.constexpr):
-    """gem_effective_eps of the op's eps (a float64 argument) in the accumulation dtype."""
-    return gem_effective_eps(tl.full([], eps, tl.float64).to(ACC))
+    """effective_eps of the op's eps (a float64 argument) in the accumulation dtype."""
+    return effective_eps(tl.full([], eps, tl.float64).to(ACC))
 
 
 # ---------------------------------------------------------------------------
@@ -582,7 +496,6 @@ def _gem_backward_kernel(go_ptr, x_ptr, p_ptr, stats_ptr, mask_ptr, gi_ptr, part
     count = tl.load(st + 2, mask=valid, other=0.0)
     g = load_acc(go_ptr, red, valid, ACC)
     mb, meanb, countb, gb = m[None, :], mean[None, :], count[None, :], g[None, :]
-    out_max = _dtype_max(gi_ptr)
     if P_GRAD:
         has_grad = gem_has_gradient(m, count)
         # Reductions without gradient (empty: m = 0, mean = 0; +inf: m = +inf)
@@ -594,7 +507,8 @@ def _gem_backward_kernel(go_ptr, x_ptr, p_ptr, stats_ptr, mask_ptr, gi_ptr, part
         x, keep, offs, inside = _load_tile(x_ptr, mask_ptr, x_base, m_base, j_stride, ms1, start,
                                            n, valid, ACC, HAS_MASK, BLOCK_J)
         dx = gem_input_grad(gb, x, eps, mb, meanb, countb, p)
-        store_rounded(gi_ptr, offs, gem_saturate(dx, out_max), inside)
+        # Into the input dtype's finite range (fp16 gradients for p < 1); NaN stays.
+        store_saturated(gi_ptr, offs, dx, inside)
         if P_GRAD:
             # Entries outside the set: a ratio 1 (their term is dropped; a 0
             # would start log-domain work).
@@ -621,11 +535,6 @@ def kernels_interpreted():
     (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
     only; compiled, on CUDA tensors only."""
     return common.kernels_interpreted(_KERNELS)
-
-
-# Whether the kernels are compiled (libdevice's pow, exp and log) rather than
-# interpreted (numpy's exp and log, no libdevice).
-_COMPILED = tl.constexpr(not kernels_interpreted())
 
 
 def _check_runnable(op, t):

@@ -50,7 +50,7 @@ O((R + M) d).
   single cast would keep 11 or 8. float32 and float64: one IEEE dot
   (input_precision="ieee", never TF32).
 - Gradients are stored in the input dtype, saturated at its largest finite
-  value for halves (cosine's _store_gradient); the scale gradient is the sum
+  value for halves (element_io's store_saturated); the scale gradient is the sum
   of the partial sums.
 
 Triton's interpreter reads bfloat16 dot operands as raw 16-bit integers:
@@ -72,8 +72,7 @@ from .._mnr_checks import (check_mnr_loss, check_mnr_loss_backward, no_gradients
 from .._mnr_normalization import on_raw_embeddings
 from . import common
 from .common import device_guard
-from .cosine import _store_gradient
-from .element_io import widen
+from .element_io import store_saturated, widen
 from .numerics import lse_merge, lse_scale, lse_update_max_candidate, lse_update_term, lse_value
 
 # Row kinds, column kinds and hardness modes of mnr_math.h.
@@ -622,7 +621,7 @@ def _mnr_col_grad_kernel(q_ptr, d_ptr, scale_ptr, factor_ptr, stats_ptr, up_ptr,
                 at = _wide(s * rows + (c0 - offset)) * d + d0
                 acc += tl.load(buf_ptr + at + offs, mask=is_local[:, None] & d_in[None, :],
                                other=0.0)
-        _store_gradient(out_ptr + start, offs, (acc * factor) * scale, inside)
+        store_saturated(out_ptr + start, offs, (acc * factor) * scale, inside)
 
 
 # ---------------------------------------------------------------------------

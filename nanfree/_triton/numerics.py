@@ -1,4 +1,8 @@
-"""Triton mirror of csrc/include/nanfree/numerics.h (same names, same rules).
+"""Triton mirror of csrc/include/nanfree/numerics.h (same names, same rules),
+shared by the Triton kernels of every family: the math functions and type
+limits of the header (the C library's functions: libdevice's when compiled; in
+the interpreter, which has none, numpy's or a float64 evaluation), saturation,
+the effective eps, and the online logsumexp state.
 
 An online logsumexp state is a pair (max, sum): `max` is the largest value seen
 (-inf for the empty set, never NaN) and `sum` is sum(exp(v - max)); when max is
@@ -14,6 +18,9 @@ its 2-D sibling that reduces a [BLOCK_J, BLOCK_I] tile along axis 0
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from .common import kernels_interpreted
 
 
 @triton.jit
@@ -68,3 +75,166 @@ def lse_tile_state_axis0(x):
     along axis 0: one state (max, sum) per column, each of shape [BLOCK_I]."""
     m = tl.max(lse_update_max_candidate(x), axis=0)
     return m, tl.sum(lse_update_term(x, m[None, :]), axis=0)
+
+
+# ---------------------------------------------------------------------------
+# Math functions and type limits. COMPILED (at the end of this module) says
+# whether the kernels are compiled, with libdevice, or interpreted.
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def nf_exp(x):
+    if COMPILED:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)  # numpy's, in the interpreter
+
+
+@triton.jit
+def nf_log(x):
+    if COMPILED:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def nf_pow(x, y):
+    """pow(x, y) of the C library for x >= 0 (or NaN): libdevice's when
+    compiled; in the interpreter (no libdevice) exp(y log x) in float64."""
+    if COMPILED:
+        return libdevice.pow(x, y)
+    else:
+        xd = x.to(tl.float64)
+        yd = y.to(tl.float64)
+        v = tl.exp(yd * tl.log(xd))
+        # C's pow(x, 0) and pow(1, y) are 1 even for a 0, inf or NaN other
+        # operand, where y log x would be 0 * inf or NaN. (Two wheres: y may be
+        # 0-d, and the interpreter cannot `|` a 0-d bool with a tensor.)
+        v = tl.where(xd == 1.0, 1.0, tl.where(yd == 0.0, 1.0, v))
+        return v.to(x.dtype)
+
+
+@triton.jit
+def nf_sqrt(x):
+    # Rounded to nearest, as sqrtf / sqrt (Triton's float32 tl.sqrt is approximate).
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def nf_tiny(x):
+    """The smallest positive normal of x's dtype (float32 or float64)."""
+    if x.dtype == tl.float64:
+        return 2.2250738585072014e-308
+    else:
+        return 1.1754943508222875e-38
+
+
+@triton.jit
+def nf_largest(x):
+    """The largest finite value of x's dtype (float32 or float64)."""
+    if x.dtype == tl.float64:
+        return 1.7976931348623157e308
+    else:
+        return 3.4028234663852886e38
+
+
+@triton.jit
+def largest_finite(ptr):
+    """The largest finite value of ptr's element dtype (float64's held as a
+    float64): the bound of a saturated output stored there."""
+    if ptr.dtype.element_ty == tl.float16:
+        return 65504.0
+    elif ptr.dtype.element_ty == tl.bfloat16:
+        return 3.3895313892515355e38
+    elif ptr.dtype.element_ty == tl.float32:
+        return 3.4028234663852886e38
+    else:
+        return tl.full([], 1.7976931348623157e308, tl.float64)
+
+
+@triton.jit
+def min_normal_exponent(x):
+    """Exponent range of the normal numbers of x's dtype: 2^e is normal for e in [min, max]."""
+    if x.dtype == tl.float64:
+        return -1022
+    else:
+        return -126  # float32
+
+
+@triton.jit
+def max_normal_exponent(x):
+    if x.dtype == tl.float64:
+        return 1023
+    else:
+        return 127  # float32
+
+
+@triton.jit
+def _ilogb_bits(x, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                LIFT: tl.constexpr):
+    """nf_ilogb of a float of MANT mantissa bits and exponent bias BIAS, whose
+    bits read as INT; LIFT = 2^(MANT + 1)."""
+    # A subnormal (exponent field 0) is first lifted by the exact factor LIFT
+    # into the normals, where the exponent field tells its exponent.
+    lift = (x.to(INT, bitcast=True) >> MANT) == 0
+    y = tl.where(lift, x * LIFT, x)
+    field = ((y.to(INT, bitcast=True) >> MANT) & (2 * BIAS + 1)).to(tl.int32)
+    return field - BIAS - tl.where(lift, MANT + 1, 0)
+
+
+@triton.jit
+def nf_ilogb(x):
+    """ilogb(x) (the exponent e of x = m * 2^e, 1 <= m < 2) for x > 0 finite,
+    read from the exponent bits (Triton's interpreter has no libdevice); the
+    caller gives 0, inf and NaN no exponent."""
+    if x.dtype == tl.float64:
+        return _ilogb_bits(x, tl.int64, 52, 1023, 9007199254740992.0)
+    else:
+        return _ilogb_bits(x, tl.int32, 23, 127, 16777216.0)
+
+
+@triton.jit
+def _pow2_bits(e, INT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """The bits (as INT) of 2^e, normal or subnormal, for a float of MANT
+    mantissa bits and exponent bias BIAS."""
+    ei = tl.cast(e, INT)
+    normal = (ei + BIAS) << MANT
+    # A subnormal power of two is one mantissa bit; the shift is kept >= 0 where unused.
+    subnormal = tl.full(ei.shape, 1, INT) << tl.maximum(ei + (BIAS - 1 + MANT), 0)
+    return tl.where(ei >= 1 - BIAS, normal, subnormal)
+
+
+@triton.jit
+def nf_ldexp(x, e):
+    """x * 2^e for an int32 e such that 2^e is a float of x's dtype, normal or
+    subnormal (e in [min_normal_exponent - mantissa bits, max_normal_exponent]):
+    the power of two is built from its bits, so it is exact."""
+    if x.dtype == tl.float64:
+        return x * _pow2_bits(e, tl.int64, 52, 1023).to(tl.float64, bitcast=True)
+    else:
+        return x * _pow2_bits(e, tl.int32, 23, 127).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def saturate(x, bound):
+    # x within [-bound, bound] (a gradient must stay finite); NaN stays NaN.
+    return tl.where(x > bound, bound, tl.where(x < -bound, -bound, x))
+
+
+@triton.jit
+def effective_eps(eps):
+    # An eps below the accumulation type's smallest normal is raised to it, so
+    # 1/eps, log(eps) and m / eps stay finite.
+    tiny = nf_tiny(eps)
+    return tl.where(eps < tiny, tiny, eps)
+
+
+# Whether this process's kernels are compiled (libdevice) rather than
+# interpreted: Triton's mode is fixed when a kernel is defined, as this
+# module's functions were.
+COMPILED = tl.constexpr(not kernels_interpreted((lse_scale,)))

@@ -30,23 +30,6 @@
 
 namespace nanfree {
 
-NF_HOST_DEVICE int nf_ilogb(float x) { return ::ilogbf(x); }
-NF_HOST_DEVICE int nf_ilogb(double x) { return ::ilogb(x); }
-NF_HOST_DEVICE float nf_ldexp(float x, int e) { return ::ldexpf(x, e); }
-NF_HOST_DEVICE double nf_ldexp(double x, int e) { return ::ldexp(x, e); }
-NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }
-NF_HOST_DEVICE double nf_sqrt(double x) { return ::sqrt(x); }
-
-// Exponent range of the normal numbers of T: 2^e is normal for e in [min, max].
-template <typename T>
-NF_HOST_DEVICE int min_normal_exponent() {
-  return std::numeric_limits<T>::min_exponent - 1;  // -126 for float, -1022 for double
-}
-template <typename T>
-NF_HOST_DEVICE int max_normal_exponent() {
-  return std::numeric_limits<T>::max_exponent - 1;  // 127, 1023
-}
-
 // The power of two p = 2^-e that scales a vector whose largest magnitude is
 // `amax` so that the largest scaled entry lies in [1, 2). e is clamped to the
 // normal exponents, so p is exact and finite (a vector of subnormals scales to
@@ -71,14 +54,6 @@ template <typename T>
 NF_HOST_DEVICE T scaled_entry(T x, T p) {
   if (p == T(0)) return nf_isinf(x) ? (x > T(0) ? T(1) : T(-1)) : T(0);
   return x * p;
-}
-
-// The smallest eps the accumulation type can invert: a smaller one (even one
-// the caller passes, say 1e-45 in float) is raised to it, so 1/eps is finite.
-template <typename T>
-NF_HOST_DEVICE T effective_eps(T eps) {
-  const T tiny = std::numeric_limits<T>::min();
-  return eps < tiny ? tiny : eps;
 }
 
 // Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
@@ -149,16 +124,6 @@ NF_HOST_DEVICE T normalize_grad_value(T g, T y, T dot, T p, T grad_factor) {
 template <typename T>
 NF_HOST_DEVICE T cosine_grad_value(T g, T v_self, T v_other, T c, T p_self, T grad_factor_self) {
   return g * (((v_other - c * v_self) * grad_factor_self) * p_self);
-}
-
-// A gradient entry on its way to an output type whose largest finite value is
-// `out_max`: beyond it, +-out_max. The exact gradient of a vector whose norm is
-// at least eps but below 1 / out_max is about 1 / norm, past float16's 65504
-// for a norm under 1.5e-5; rounded, it would be inf, and a gradient must be
-// finite (a gradient scaler would skip the step). NaN stays NaN.
-template <typename T>
-NF_HOST_DEVICE T saturate_gradient(T x, T out_max) {
-  return x > out_max ? out_max : (x < -out_max ? -out_max : x);
 }
 
 }  // namespace nanfree

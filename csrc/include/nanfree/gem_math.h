@@ -1,6 +1,6 @@
 // Generalized mean (GeM) pooling: the special-value rules of DESIGN.md
 // section 2 (gem), shared by the CPU and CUDA kernels and mirrored by name in
-// nanfree/_torch_backend/gem.py (and later nanfree/_triton/gem.py).
+// nanfree/_triton/gem.py and nanfree/_torch_backend/gem.py.
 //
 // A reduction is the set of kept (unmasked) entries x_i, n of them. With
 // c_i = clamp_to_eps(x_i) and m = max c_i (gem_max_update), every ratio
@@ -46,22 +46,9 @@
 
 namespace nanfree {
 
-NF_HOST_DEVICE float nf_pow(float x, float y) { return ::powf(x, y); }
-NF_HOST_DEVICE double nf_pow(double x, double y) { return ::pow(x, y); }
-
 // Bounds of a tensor p (DESIGN.md: a learnable p drifting to 0 or below).
 constexpr double kGemMinP = 1e-2;
 constexpr double kGemMaxP = 1e2;
-
-// The smallest positive normal and the largest finite value of T.
-template <typename T>
-NF_HOST_DEVICE T gem_tiny() {
-  return std::numeric_limits<T>::min();
-}
-template <typename T>
-NF_HOST_DEVICE T gem_big() {
-  return std::numeric_limits<T>::max();
-}
 
 // A tensor p clamped to [1e-2, 1e2] in the accumulation type (float32 for
 // fp16/bf16/fp32 inputs, float64 for float64 ones, where a float32 p of
@@ -76,13 +63,6 @@ NF_HOST_DEVICE T gem_clamp_p(T p) {
 template <typename T>
 NF_HOST_DEVICE bool gem_p_in_range(T p) {
   return p > T(kGemMinP) && p < T(kGemMaxP);
-}
-
-// The eps the accumulation type works with: one below its smallest normal
-// (1e-45 in float) is raised to it, so log(eps) and m / eps stay finite.
-template <typename T>
-NF_HOST_DEVICE T gem_effective_eps(T eps) {
-  return eps < gem_tiny<T>() ? gem_tiny<T>() : eps;
 }
 
 // max(x, eps) as torch.clamp(x, min=eps): negatives, zeros and -inf become
@@ -122,7 +102,7 @@ NF_HOST_DEVICE T gem_ratio(T c, T m) {
 template <typename T>
 NF_HOST_DEVICE T gem_log_ratio(T c, T m) {
   const T r = c / m;
-  return r < gem_tiny<T>() ? nf_log(c) - nf_log(m) : nf_log(r);
+  return r < nf_tiny<T>() ? nf_log(c) - nf_log(m) : nf_log(r);
 }
 
 // r^p for p > 0, in [0, 1]: pow(r, p) for a normal ratio; in the log domain
@@ -134,7 +114,7 @@ template <typename T>
 NF_HOST_DEVICE T gem_ratio_power(T c, T m, T p) {
   if (m == nf_inf<T>()) return gem_ratio(c, m);  // 1^p or 0^p
   const T r = c / m;
-  if (!(r < gem_tiny<T>())) return nf_pow(r, p);  // also NaN
+  if (!(r < nf_tiny<T>())) return nf_pow(r, p);  // also NaN
   return nf_exp(p * (nf_log(c) - nf_log(m)));
 }
 
@@ -173,7 +153,7 @@ template <typename T>
 NF_HOST_DEVICE T gem_value(T m, T mean, T p) {
   if (mean == T(0)) return T(0);  // the empty set (m is 0 too)
   const T s = nf_pow(mean, T(1) / p);
-  if (!(s < gem_tiny<T>())) return m * s;  // also NaN and m = +inf
+  if (!(s < nf_tiny<T>())) return m * s;  // also NaN and m = +inf
   return nf_exp(nf_log(m) + nf_log(mean) / p);
 }
 
@@ -200,14 +180,14 @@ NF_HOST_DEVICE T gem_input_grad_weight(T c, T m, T mean, T count, T p) {
   T w;
   // A ratio below the normal range has lost bits (or is 0, and 0^(p-1) = inf
   // for p < 1): the log domain, as in gem_ratio_power.
-  if (a >= gem_tiny<T>() && r >= gem_tiny<T>() && rp1 <= gem_big<T>()) {
+  if (a >= nf_tiny<T>() && r >= nf_tiny<T>() && rp1 <= nf_largest<T>()) {
     w = a * rp1;
   } else {
     // NaN (c, m or mean) fails the test above and stays NaN here.
     w = nf_exp((T(1) / p - T(1)) * nf_log(mean) - nf_log(count) +
                (p - T(1)) * gem_log_ratio(c, m));
   }
-  return w > gem_big<T>() ? gem_big<T>() : w;  // inf * 0 must not meet a 0 g; NaN stays
+  return saturate(w, nf_largest<T>());  // inf * 0 must not meet a 0 g; NaN stays
 }
 
 // d gem / d x for one kept entry: g * w, 0 for a clamped entry and in a
@@ -279,12 +259,10 @@ NF_HOST_DEVICE T gem_divergence_term(T c, T m, T log_mean, T p) {
 template <typename T>
 NF_HOST_DEVICE T gem_p_grad(T g, T gem, T m, T count, T divergence, T p) {
   if (!gem_has_gradient(m, count)) return T(0);
-  T v = gem * (divergence / (p * p));
-  v = v > gem_big<T>() ? gem_big<T>() : (v < -gem_big<T>() ? -gem_big<T>() : v);  // NaN stays
+  const T v = saturate(gem * (divergence / (p * p)), nf_largest<T>());
   // g * v may pass the type's range too: saturated, so that summing the terms
   // of many reductions (gem_p_grad_total) never meets inf - inf. NaN stays.
-  const T term = g * v;
-  return term > gem_big<T>() ? gem_big<T>() : (term < -gem_big<T>() ? -gem_big<T>() : term);
+  return saturate(g * v, nf_largest<T>());
 }
 
 // p's gradient is the sum of every reduction's gem_p_grad, each within the
@@ -296,18 +274,9 @@ constexpr double kGemPGradScale = 0x1p-64;
 
 template <typename T>
 NF_HOST_DEVICE T gem_p_grad_total(double scaled_sum) {
-  const double bound = static_cast<double>(gem_big<T>()) * kGemPGradScale;
   // Beyond the type's range the sum saturates; NaN (a NaN reduction) stays.
-  const double clamped = scaled_sum > bound ? bound : (scaled_sum < -bound ? -bound : scaled_sum);
-  return static_cast<T>(clamped / kGemPGradScale);
-}
-
-// A gradient on its way to a type whose largest finite value is `out_max`:
-// beyond it, +-out_max (an fp16 gradient for p < 1 and an entry far below the
-// maximum exceeds 65504); NaN stays NaN.
-template <typename T>
-NF_HOST_DEVICE T gem_saturate(T x, T out_max) {
-  return x > out_max ? out_max : (x < -out_max ? -out_max : x);
+  const double bound = static_cast<double>(nf_largest<T>()) * kGemPGradScale;
+  return static_cast<T>(saturate(scaled_sum, bound) / kGemPGradScale);
 }
 
 }  // namespace nanfree

@@ -24,6 +24,55 @@ NF_HOST_DEVICE float nf_exp(float x) { return ::expf(x); }
 NF_HOST_DEVICE double nf_exp(double x) { return ::exp(x); }
 NF_HOST_DEVICE float nf_log(float x) { return ::logf(x); }
 NF_HOST_DEVICE double nf_log(double x) { return ::log(x); }
+NF_HOST_DEVICE float nf_pow(float x, float y) { return ::powf(x, y); }
+NF_HOST_DEVICE double nf_pow(double x, double y) { return ::pow(x, y); }
+NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }
+NF_HOST_DEVICE double nf_sqrt(double x) { return ::sqrt(x); }
+NF_HOST_DEVICE int nf_ilogb(float x) { return ::ilogbf(x); }
+NF_HOST_DEVICE int nf_ilogb(double x) { return ::ilogb(x); }
+NF_HOST_DEVICE float nf_ldexp(float x, int e) { return ::ldexpf(x, e); }
+NF_HOST_DEVICE double nf_ldexp(double x, int e) { return ::ldexp(x, e); }
+
+// The smallest positive normal and the largest finite value of T.
+template <typename T>
+NF_HOST_DEVICE T nf_tiny() {
+  return std::numeric_limits<T>::min();
+}
+template <typename T>
+NF_HOST_DEVICE T nf_largest() {
+  return std::numeric_limits<T>::max();
+}
+
+// The largest finite values of the half storage types (in their accumulation
+// type, float): the bounds of a saturated float16 or bfloat16 output.
+constexpr double kFloat16Largest = 65504.0;
+constexpr double kBFloat16Largest = 3.3895313892515355e38;  // 0x7f7f
+
+// Exponent range of the normal numbers of T: 2^e is normal for e in [min, max].
+template <typename T>
+NF_HOST_DEVICE int min_normal_exponent() {
+  return std::numeric_limits<T>::min_exponent - 1;  // -126 for float, -1022 for double
+}
+template <typename T>
+NF_HOST_DEVICE int max_normal_exponent() {
+  return std::numeric_limits<T>::max_exponent - 1;  // 127, 1023
+}
+
+// x on its way to a type whose largest finite value is `bound`: beyond it,
+// +-bound (a gradient must stay finite: an inf would meet a 0 downstream and
+// make NaN, and a gradient scaler would skip the step). NaN stays NaN.
+template <typename T>
+NF_HOST_DEVICE T saturate(T x, T bound) {
+  return x > bound ? bound : (x < -bound ? -bound : x);
+}
+
+// The eps the accumulation type works with: one below its smallest normal
+// (even one the caller passes, say 1e-45 in float) is raised to it, so 1/eps,
+// log(eps) and m / eps stay finite.
+template <typename T>
+NF_HOST_DEVICE T effective_eps(T eps) {
+  return eps < nf_tiny<T>() ? nf_tiny<T>() : eps;
+}
 
 template <typename T>
 NF_HOST_DEVICE bool nf_isnan(T x) {
