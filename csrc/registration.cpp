@@ -1,7 +1,8 @@
 // Every nanfree operator schema, defined once. Kernels are registered per
-// device by csrc/cpu, csrc/cuda and (Triton, pure torch) by nanfree/_backends.py;
-// autograd and autocast once for all backends by csrc/<family>_autograd.cpp and
-// csrc/<family>_autocast.cpp; fake kernels by nanfree/_<family>_registration.py.
+// device by csrc/cpu/<family>*.cpp, csrc/cuda/<family>.cpp and (Triton, pure
+// torch) by nanfree/_backends.py; once for every backend, the autograd by
+// csrc/<family>.cpp (the MNR loss's by nanfree/_ops/mnr.py), the autocast by
+// csrc/autocast.cpp and the fake kernels by nanfree/_ops/<family>.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(nanfree, m) {

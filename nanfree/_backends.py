@@ -25,15 +25,15 @@ import os
 
 import torch
 
-from . import _cosine_registration, _gem_registration, _mnr_registration, _softmax_registration
+from ._ops import cosine, gem, mnr, softmax
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 
-# op family -> the module holding its op names (OPS) and fake kernels (register()).
-# Each Python backend holds one module per family, nanfree._triton.<family> and
-# nanfree._torch_backend.<family>, with one function per op named as the op.
-FAMILIES = {"softmax": _softmax_registration, "cosine": _cosine_registration,
-            "gem": _gem_registration, "mnr": _mnr_registration}
+# op family -> its Python side (nanfree/_ops/<family>.py): its op names (OPS)
+# and fake kernels (register()). Each Python backend holds one module per
+# family, nanfree._triton.<family> and nanfree._torch_backend.<family>, with one
+# function per op named as the op.
+FAMILIES = {"softmax": softmax, "cosine": cosine, "gem": gem, "mnr": mnr}
 
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",

@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from . import ops
+from ._ops import mnr as _mnr
 
 __all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
            "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
@@ -172,7 +173,7 @@ def _gather_with_grad(t):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return ops._gather_with_grad(t)
+        return _mnr.gather_with_grad(t)
     return t
 
 
@@ -396,7 +397,7 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
                  gather_across_devices=False):
         super().__init__(model, scale=scale, similarity_fct=similarity_fct,
                          gather_across_devices=gather_across_devices,
-                         directions=ops.MNR_SYMMETRIC[0], partition_mode=ops.MNR_SYMMETRIC[1])
+                         directions=_mnr.SYMMETRIC[0], partition_mode=_mnr.SYMMETRIC[1])
 
 
 class MNRLoss(torch.nn.Module):
@@ -414,7 +415,7 @@ class MNRLoss(torch.nn.Module):
                  reduction="mean", gather_across_devices=False, learnable_scale=False):
         super().__init__()
         if symmetric:
-            directions, partition_mode = ops.MNR_SYMMETRIC
+            directions, partition_mode = _mnr.SYMMETRIC
         self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
                                             hardness_strength)
         if reduction not in ("mean", "sum", "none"):

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from conftest import triton_kernel_device  # noqa: E402
 from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
-from nanfree._mask_layout import mask_layout  # noqa: E402
+from nanfree._ops.layout import mask_layout  # noqa: E402
 from nanfree._triton import softmax as K  # noqa: E402
 
 DEVICE = triton_kernel_device(K)

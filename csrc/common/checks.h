@@ -1,6 +1,6 @@
 // Argument checks and dtypes shared by the ATen bindings of every op family.
 // The Python backends raise the same errors with the same words
-// (nanfree/_checks.py).
+// (nanfree/_ops/common.py).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 // ATen-side helpers shared by the CPU and CUDA registrations of the cosine
 // family (normalize, cosine_similarity, cos_sim_matrix): argument checks,
 // output allocation and the [rows, d] view of the last dimension. The Python
-// backends raise the same errors (nanfree/_cosine_checks.py).
+// backends raise the same errors (nanfree/_ops/cosine.py).
 #pragma once
 
 #include <ATen/ATen.h>

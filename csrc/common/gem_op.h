@@ -1,7 +1,7 @@
 // ATen-side helpers shared by the CPU and CUDA registrations of the GeM
 // family: argument checks, output allocation and the [outer, n, inner] shape
 // of the reduction (csrc/registration.cpp). The Python backends and the fake
-// kernels raise the same errors (nanfree/_gem_checks.py).
+// kernels raise the same errors (nanfree/_ops/gem.py).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 // ATen-side argument checks of the MNR ops (mnr_loss, mnr_loss_backward of
 // csrc/registration.cpp), shared by the CPU and CUDA registrations. The
 // Python backends and the fake kernels raise the same errors
-// (nanfree/_mnr_checks.py).
+// (nanfree/_ops/mnr.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +37,14 @@ struct MnrProblem {
 };
 
 constexpr int64_t kMnrStats = 2;
+
+// The ops' signatures (csrc/registration.cpp), for calls through the dispatcher.
+using MnrLossSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, int64_t,
+    int64_t, int64_t, int64_t, bool, int64_t, double, int64_t, bool);
+using MnrLossBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    double, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, bool, int64_t, double, int64_t);
 
 inline MnrProblem check_mnr_loss(const char* op, const at::Tensor& queries, const at::Tensor& docs,
                                  const std::optional<at::Tensor>& scale, double scale_value,

@@ -2,7 +2,7 @@
 // family: argument checks, output allocation, the [outer, cols, inner] view
 // and the mask layout. Each binding calls prepare_forward / prepare_backward
 // and then only launches its kernels. The Python backends raise the same
-// errors with the same words (nanfree/_softmax_checks.py).
+// errors with the same words (nanfree/_ops/softmax.py).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .._cosine_checks import (check_cos_sim_matrix, check_cosine, check_cosine_backward,
-                              check_normalize, check_normalize_backward)
+from .._ops.cosine import (check_cos_sim_matrix, check_cosine, check_cosine_backward,
+                           check_normalize, check_normalize_backward)
 from .numerics import INF, acc_dtype, effective_eps, nf_largest, saturate
 
 def _acc(t):
@@ -137,35 +137,3 @@ def cosine_similarity_backward(grad_output, x1, x2, output, stats):
 def cos_sim_matrix(a, b):
     check_cos_sim_matrix(a, b)
     return cosine_clamp(a @ b.T)
-
-
-def normalize_p(input, p, dim, eps):
-    """F.normalize for p != 2 (no fused kernel), in torch operations that autograd
-    differentiates: x / max(norm_p(x), eps) with the norm taken on x / max|x|, so
-    no power overflows or underflows; the rules of p = 2 otherwise (a vector with
-    +-inf entries is their limit direction; vectors below eps, zero and infinite
-    ones pass no gradient; NaN stays in its vector)."""
-    x = _acc(input)
-    amax = x.abs().amax(dim=dim, keepdim=True)
-    # The norm branch sees finite vectors only: an infinite or NaN vector there
-    # would put inf / inf = NaN into the backward, even through a where.
-    finite = torch.isfinite(amax)
-    xf = torch.where(finite, x, 0.0)
-    amax_f = torch.where(finite, amax, 0.0)
-    scale = torch.where(amax_f > 0, amax_f, 1.0)  # 1 for a zero vector: no 0 / 0
-    if p == INF:
-        norm = amax_f
-    else:
-        norm = scale * torch.linalg.vector_norm(xf / scale, p, dim=dim, keepdim=True)
-    live = norm >= eps
-    # Below eps: x / eps with no gradient; the live branch's denominator is
-    # never 0 (0 * (1/0) would be NaN in the backward where it is not taken).
-    y = torch.where(live, xf / torch.where(live, norm, 1.0), xf.detach() / eps)
-    # An infinite vector: +-1 at its k infinite entries, scaled to unit p-norm, no gradient.
-    limit = torch.where(torch.isinf(x), torch.sign(x), 0.0).detach()
-    count = torch.isinf(x).sum(dim=dim, keepdim=True).clamp_min(1).to(x.dtype)
-    limit = limit if p == INF else limit / count ** (1.0 / p)
-    y = torch.where(torch.isinf(amax), limit, y)
-    # A NaN entry makes its vector NaN (amax is NaN there).
-    y = torch.where(torch.isnan(amax), amax, y)
-    return y.to(input.dtype)

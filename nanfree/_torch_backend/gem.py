@@ -23,11 +23,11 @@ dim 1 of a 3-D input [outer, n, inner]. Stats layout (what ``gem`` saves for
 - ``[..., 2]``: count, the number n of kept entries (exact up to 2^24 in float32).
 """
 
-import math
 
 import torch
 
-from .._gem_checks import check_gem, check_gem_backward
+from .._ops.gem import (check_gem, check_gem_backward, gem_divergence_coefficient,
+                        gem_p_grad_total)
 from .numerics import INF, acc_dtype, effective_eps, nf_largest, nf_tiny, saturate
 
 
@@ -129,11 +129,6 @@ def gem_input_grad(g, x, eps, m, mean, count, p):
     return torch.where(live, g * w, 0.0)
 
 
-def gem_divergence_coefficient(k):
-    """c_k = 1 / (k! (k + 2)), the coefficients of h's series."""
-    return 1.0 / (math.factorial(k) * (k + 2))
-
-
 def gem_divergence_h(s):
     """h(s) = 1 + (s - 1) e^s = t log t - t + 1 at t = e^s (>= 0): the series
     s^2 * sum_k c_k s^k by Horner's rule for |s| <= 1 (no cancellation beyond
@@ -164,17 +159,6 @@ def gem_p_grad(g, gem, m, count, divergence, p):
     v = saturate(gem * (divergence / (p * p)), big)  # NaN stays
     # g * v saturated too: the sum over reductions must never meet inf - inf.
     return torch.where(gem_has_gradient(m, count), saturate(g * v, big), 0.0)
-
-
-GEM_P_GRAD_SCALE = 2.0 ** -64
-
-
-def gem_p_grad_total(terms, acc):
-    """The sum of every reduction's gem_p_grad, in float64 with each term scaled by
-    2^-64 (no overflow, even for float64 terms), clamped to acc's range, scaled back."""
-    bound = nf_largest(acc) * GEM_P_GRAD_SCALE
-    scaled = (terms.double() * GEM_P_GRAD_SCALE).sum()
-    return (saturate(scaled, bound) / GEM_P_GRAD_SCALE).to(acc)  # NaN stays
 
 
 # -- the ops -----------------------------------------------------------------

@@ -1,15 +1,15 @@
 """Pure-PyTorch mnr_loss and mnr_loss_backward: the rules of
 csrc/include/nanfree/mnr_math.h written with torch ops (the header's names,
 the same order of operations), on row chunks so that no [B, M] matrix is
-ever held whole. The cores work on normalized rows; nanfree/_mnr_normalization.py
+ever held whole. The cores work on normalized rows; nanfree/_ops/mnr.py
 wraps them into the ops, which take raw embeddings."""
 
 import torch
 
+from .._ops.mnr import (MnrProblem, check_mnr_loss, check_mnr_loss_backward, no_gradients,
+                        on_raw_embeddings, reduce_loss, scaled_upstream, unscaled,
+                        upstream_per_row)
 from .numerics import acc_dtype
-from .._mnr_checks import (MnrProblem, check_mnr_loss, check_mnr_loss_backward, no_gradients,
-                           reduce_loss, scaled_upstream, unscaled, upstream_per_row)
-from .._mnr_normalization import on_raw_embeddings
 
 # Column kinds (mnr_math.h).
 PLAIN, PENALIZED, EXCLUDED, POSITIVE = 0, 1, 2, 3

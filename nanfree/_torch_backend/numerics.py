@@ -9,12 +9,9 @@ differentiated by autograd, so an unused inf or NaN branch is harmless.
 
 import torch
 
+from .._ops.common import acc_dtype  # noqa: F401  (the families import it from here)
+
 INF = float("inf")
-
-
-def acc_dtype(dtype):
-    """The accumulation dtype: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def nf_tiny(dtype):

@@ -8,7 +8,7 @@ reduced dimension, and the same special-value rules, written with torch.where. S
 
 import torch
 
-from .._softmax_checks import check_backward, check_forward
+from .._ops.softmax import check_backward, check_forward
 from .numerics import INF, acc_dtype, lse_state, lse_value
 
 # --- mirror of softmax_math.h (same names, whole rows at once) -------------------

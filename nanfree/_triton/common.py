@@ -1,6 +1,6 @@
-"""Launcher plumbing shared by the Triton op families (softmax.py, cosine.py):
-in which mode the kernels run, the refusal of a device that mode cannot run,
-and the CUDA device guard. No kernel and no numerics in here.
+"""Launcher plumbing shared by the Triton op families (softmax.py, cosine.py,
+gem.py, mnr.py): in which mode the kernels run, the refusal of a device that
+mode cannot run, and the CUDA device guard. No kernel and no numerics in here.
 
 The kernels run where the Triton of this process can run them: CPU tensors
 when they were defined under Triton's interpreter (TRITON_INTERPRET=1 when the
@@ -42,6 +42,24 @@ def check_runnable(op, t, kernels):
             f"nanfree.{op}: the Triton kernels are compiled and run on CUDA tensors only, got "
             f"a tensor on {t.device}; set TRITON_INTERPRET=1 before starting Python to run "
             f"them on CPU tensors under Triton's interpreter")
+
+
+class KernelSet:
+    """A family's Triton kernels, as defined (a test may monkeypatch a module's
+    kernel names; the set keeps the kernels the module defined): the mode they
+    run in, and the refusal, before any launch, of a tensor they cannot run on."""
+
+    def __init__(self, *kernels):
+        self.kernels = kernels
+
+    def interpreted(self):
+        """True when the kernels were defined under Triton's interpreter
+        (TRITON_INTERPRET=1 when their module was imported): they then run on
+        CPU tensors only; compiled, on CUDA tensors only."""
+        return kernels_interpreted(self.kernels)
+
+    def check_runnable(self, op, t):
+        check_runnable(op, t, self.kernels)
 
 
 def device_guard(t):

@@ -3,7 +3,7 @@ backward ops over the last dimension, and cos_sim_matrix (cos_sim's GEMM).
 
 One function per op, named and called as the ``nanfree::`` op
 (csrc/registration.cpp), with the argument checks of
-nanfree/_cosine_checks.py. The per-vector math mirrors
+nanfree/_ops/cosine.py. The per-vector math mirrors
 csrc/include/nanfree/cosine_math.h function by function (same names, same
 rules, same comments); no rule is written inline in a kernel.
 
@@ -53,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._cosine_checks import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matrix, check_cosine,
-                              check_cosine_backward, check_normalize, check_normalize_backward,
-                              per_vector_shape, stats_dtype, vector_rows)
+from .._ops.cosine import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matrix, check_cosine,
+                           check_cosine_backward, check_normalize, check_normalize_backward,
+                           per_vector_shape, stats_dtype, vector_rows)
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded, store_saturated, widen
@@ -429,20 +429,10 @@ def _cos_sim_matrix_kernel(a_ptr, b_ptr, out_ptr, n_rows, n_cols, d,
 
 
 # Every kernel of this module, as defined (tests may monkeypatch the names).
-_KERNELS = (_normalize_kernel, _normalize_backward_kernel, _cosine_kernel,
+KERNELS = common.KernelSet(_normalize_kernel, _normalize_backward_kernel, _cosine_kernel,
             _cosine_backward_kernel, _cos_sim_matrix_kernel)
-
-
-def kernels_interpreted():
-    """True when this module's kernels were defined under Triton's interpreter
-    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
-    only; compiled, on CUDA tensors only."""
-    return common.kernels_interpreted(_KERNELS)
-
-
-def _check_runnable(op, t):
-    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
-    common.check_runnable(op, t, _KERNELS)
+kernels_interpreted = KERNELS.interpreted
+_check_runnable = KERNELS.check_runnable
 
 
 def _row_config(n_rows, d):

@@ -3,7 +3,7 @@
 
 One function per op, named and called as the ``nanfree::`` op
 (csrc/registration.cpp: ``gem`` and ``gem_backward``), with the argument
-checks of nanfree/_gem_checks.py. The math mirrors
+checks of nanfree/_ops/gem.py. The math mirrors
 csrc/include/nanfree/gem_math.h function by function (same names, same
 rules): each reduction is scaled by its largest clamped entry m, so every
 ratio r = max(x, eps) / m is in (0, 1], mean = (1/n) sum r^p is in [1/n, 1]
@@ -80,9 +80,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import acc_dtype
-from .._gem_checks import check_gem, check_gem_backward, output_shape, stats_shape
-from .._torch_backend.gem import gem_p_grad_total
+from .._ops.common import acc_dtype
+from .._ops.gem import (check_gem, check_gem_backward, gem_divergence_coefficient, gem_p_grad_total,
+                        output_shape, stats_shape)
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded, store_saturated
@@ -112,6 +112,9 @@ MAX_WARPS = 8
 
 GEM_MIN_P = tl.constexpr(1e-2)
 GEM_MAX_P = tl.constexpr(1e2)
+# c_k = 1 / (k! (k + 2)), k = 0 .. 17, of gem_divergence_h's series (the
+# header's gem_divergence_coefficient), as Python floats.
+GEM_DIVERGENCE_COEFFICIENTS = tl.constexpr(tuple(gem_divergence_coefficient(k) for k in range(18)))
 
 
 @triton.jit
@@ -270,43 +273,25 @@ def gem_input_grad(g, x, eps, m, mean, count, p):
 
 
 @triton.jit
+def gem_divergence_horner(s, LAST: tl.constexpr):
+    """sum_{k=0..LAST} c_k s^k by Horner's rule, each coefficient rounded once
+    to the operand's dtype (_const)."""
+    poly = tl.full(s.shape, GEM_DIVERGENCE_COEFFICIENTS[LAST], s.dtype)
+    for k in tl.static_range(LAST - 1, -1, -1):
+        poly = _const(GEM_DIVERGENCE_COEFFICIENTS[k], s) + s * poly
+    return poly
+
+
+@triton.jit
 def gem_divergence_h(s):
     """h(s) = 1 + (s - 1) e^s = t log t - t + 1 at t = e^s (>= 0): the series
     s^2 * sum_k c_k s^k, c_k = 1 / (k! (k + 2)), by Horner's rule with the
     header's number of terms for |s| <= 1, the closed form beyond."""
-    # Horner over c_17 .. c_0 (float64) or c_10 .. c_0 (float32), c_k = 1 / (k! (k + 2)),
-    # each rounded once to the operand's dtype (_const).
+    # The header's number of terms: c_17 .. c_0 in float64, c_10 .. c_0 in float32.
     if s.dtype == tl.float64:
-        poly = tl.full(s.shape, 1.4797143443923793e-16, s.dtype)
-        poly = _const(2.6552651846596585e-15, s) + s * poly
-        poly = _const(4.498331606952833e-14, s) + s * poly
-        poly = _const(7.169215998581078e-13, s) + s * poly
-        poly = _const(1.0706029224547743e-11, s) + s * poly
-        poly = _const(1.4911969277048643e-10, s) + s * poly
-        poly = _const(1.9270852604185937e-09, s) + s * poly
-        poly = _const(2.296443268665491e-08, s) + s * poly
-        poly = _const(2.505210838544172e-07, s) + s * poly
-        poly = _const(2.48015873015873e-06, s) + s * poly
-        poly = _const(2.2045855379188714e-05, s) + s * poly
-        poly = _const(0.00017361111111111112, s) + s * poly
-        poly = _const(0.0011904761904761906, s) + s * poly
-        poly = _const(0.006944444444444444, s) + s * poly
-        poly = _const(0.03333333333333333, s) + s * poly
-        poly = _const(0.125, s) + s * poly
-        poly = _const(0.3333333333333333, s) + s * poly
-        poly = _const(0.5, s) + s * poly
+        poly = gem_divergence_horner(s, 17)
     else:
-        poly = tl.full(s.shape, 2.296443268665491e-08, s.dtype)
-        poly = _const(2.505210838544172e-07, s) + s * poly
-        poly = _const(2.48015873015873e-06, s) + s * poly
-        poly = _const(2.2045855379188714e-05, s) + s * poly
-        poly = _const(0.00017361111111111112, s) + s * poly
-        poly = _const(0.0011904761904761906, s) + s * poly
-        poly = _const(0.006944444444444444, s) + s * poly
-        poly = _const(0.03333333333333333, s) + s * poly
-        poly = _const(0.125, s) + s * poly
-        poly = _const(0.3333333333333333, s) + s * poly
-        poly = _const(0.5, s) + s * poly
+        poly = gem_divergence_horner(s, 10)
     series = s * s * poly
     # s <= log n, so e^s is finite; a very negative s underflows it to 0: h = 1,
     # the limit. A NaN s fails the test and takes the closed form (NaN).
@@ -527,19 +512,9 @@ def _gem_backward_kernel(go_ptr, x_ptr, p_ptr, stats_ptr, mask_ptr, gi_ptr, part
 
 
 # Every kernel of this module, as defined (tests may monkeypatch the names).
-_KERNELS = (_gem_kernel, _gem_backward_kernel)
-
-
-def kernels_interpreted():
-    """True when this module's kernels were defined under Triton's interpreter
-    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
-    only; compiled, on CUDA tensors only."""
-    return common.kernels_interpreted(_KERNELS)
-
-
-def _check_runnable(op, t):
-    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
-    common.check_runnable(op, t, _KERNELS)
+KERNELS = common.KernelSet(_gem_kernel, _gem_backward_kernel)
+kernels_interpreted = KERNELS.interpreted
+_check_runnable = KERNELS.check_runnable
 
 
 def _config(outer, n, inner, backward):

@@ -3,8 +3,8 @@ multiple negatives ranking (InfoNCE) loss of `queries` [R, d] and `docs`
 [M, d].
 
 One function per op, named and called as the ``nanfree::`` op
-(csrc/registration.cpp), with the argument checks of nanfree/_mnr_checks.py.
-The ops take raw embeddings: nanfree/_mnr_normalization.py normalizes their
+(csrc/registration.cpp), with the argument checks of nanfree/_ops/mnr.py.
+The ops take raw embeddings: nanfree/_ops/mnr.py normalizes their
 rows around this module's cores (_mnr_loss_normalized,
 _mnr_loss_backward_normalized), which see unit rows and return the
 gradients of the unit rows. The layout and every rule are
@@ -66,10 +66,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import acc_dtype
-from .._mnr_checks import (check_mnr_loss, check_mnr_loss_backward, no_gradients, reduce_loss,
-                           scaled_upstream, upstream_per_row)
-from .._mnr_normalization import on_raw_embeddings
+from .._ops.common import acc_dtype
+from .._ops.mnr import (check_mnr_loss, check_mnr_loss_backward, no_gradients, on_raw_embeddings,
+                        reduce_loss, scaled_upstream, upstream_per_row)
 from . import common
 from .common import device_guard
 from .element_io import store_saturated, widen
@@ -630,19 +629,9 @@ def _mnr_col_grad_kernel(q_ptr, d_ptr, scale_ptr, factor_ptr, stats_ptr, up_ptr,
 
 
 # Every kernel of this module, as defined (tests may monkeypatch the names).
-_KERNELS = (_mnr_forward_kernel, _mnr_finish_kernel, _mnr_row_grad_kernel, _mnr_col_grad_kernel)
-
-
-def kernels_interpreted():
-    """True when this module's kernels were defined under Triton's interpreter
-    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
-    only; compiled, on CUDA tensors only."""
-    return common.kernels_interpreted(_KERNELS)
-
-
-def _check_runnable(op, t):
-    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
-    common.check_runnable(op, t, _KERNELS)
+KERNELS = common.KernelSet(_mnr_forward_kernel, _mnr_finish_kernel, _mnr_row_grad_kernel, _mnr_col_grad_kernel)
+kernels_interpreted = KERNELS.interpreted
+_check_runnable = KERNELS.check_runnable
 
 
 class _Launch:
@@ -811,7 +800,7 @@ _mnr_loss_raw, _mnr_loss_backward_raw = on_raw_embeddings(
 def mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
              per_direction, hardness_mode, hardness_strength, reduction, grad):
     """(loss, stats, grad_queries, grad_docs, grad_scale) of the op nanfree::mnr_loss
-    (raw embeddings, normalized by the op; _mnr_normalization.py)."""
+    (raw embeddings, normalized by the op; _ops/mnr.py)."""
     check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
                    per_direction, hardness_mode, hardness_strength, reduction)
     _check_runnable("mnr_loss", queries)  # before the normalization runs anything

@@ -3,7 +3,7 @@ one dimension, and their backward ops.
 
 One function per op, named and called as the ``nanfree::`` op
 (csrc/registration.cpp), with the argument checks of
-nanfree/_softmax_checks.py. The per-entry math mirrors
+nanfree/_ops/softmax.py. The per-entry math mirrors
 csrc/include/nanfree/softmax_math.h function by function (same names); the row
 reduction uses the online logsumexp state of numerics.py.
 
@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._mask_layout import mask_layout
-from .._softmax_checks import (acc_dtype, check_backward, check_forward, problem_shape,
-                               row_shape, stats_shape)
+from .._ops.common import acc_dtype
+from .._ops.layout import mask_layout, problem_shape
+from .._ops.softmax import check_backward, check_forward, row_shape, stats_shape
 from . import common
 from .common import device_guard
 from .numerics import lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value
@@ -491,21 +491,11 @@ def _strided_logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_pt
 
 
 # Every kernel of this module, as defined (tests may monkeypatch the names).
-_KERNELS = (_forward_kernel, _softmax_backward_kernel, _logsumexp_backward_kernel,
+KERNELS = common.KernelSet(_forward_kernel, _softmax_backward_kernel, _logsumexp_backward_kernel,
             _strided_forward_kernel, _strided_softmax_backward_kernel,
             _strided_logsumexp_backward_kernel)
-
-
-def kernels_interpreted():
-    """True when this module's kernels were defined under Triton's interpreter
-    (TRITON_INTERPRET=1 when it was imported): they then run on CPU tensors
-    only; compiled, on CUDA tensors only."""
-    return common.kernels_interpreted(_KERNELS)
-
-
-def _check_runnable(op, t):
-    """Refuses, before any launch, a tensor on a device the kernels cannot run on."""
-    common.check_runnable(op, t, _KERNELS)
+kernels_interpreted = KERNELS.interpreted
+_check_runnable = KERNELS.check_runnable
 
 
 def _block_config(n_cols):

@@ -28,7 +28,7 @@
 //   brings the largest finite one to at most 2 (so no logit gradient times
 //   the scale overflows), and the gradients multiplied by 2^e at the end,
 //   saturating at the largest finite value of the gradient's dtype (a true
-//   gradient past the range): mnr_driver.h and nanfree/_mnr_checks.py.
+//   gradient past the range): mnr_driver.h and nanfree/_ops/mnr.py.
 #pragma once
 
 #include "nanfree/numerics.h"

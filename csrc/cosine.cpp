@@ -1,18 +1,35 @@
-// Autograd of the cosine-family ops, registered once at the Autograd key for
-// every backend (C++, CUDA, Triton, pure torch). normalize and
-// cosine_similarity save what their hand-written backward ops need (the
-// output or inputs and the per-vector statistics); cos_sim_matrix's
-// gradient is two matrix products, the clamp passing straight through (it
-// only removes rounding past +-1). Double backward through the backward ops
-// refuses with a clear error.
+// The cosine family's C++ side shared by every backend (C++, CUDA, Triton,
+// pure torch): its autograd, registered once at the Autograd key, and the
+// Python entry points of nanfree.ops.
+//
+// Autograd: normalize and cosine_similarity save what their hand-written
+// backward ops need (the output or inputs and the per-vector statistics);
+// cos_sim_matrix's gradient is two matrix products, the clamp passing straight
+// through (it only removes rounding past +-1). Double backward through the
+// backward ops refuses with a clear error.
+//
+// Python entry points: nanfree.ops.cosine_similarity, normalize (p = 2) and
+// cos_sim call these (outside torch.compile). They do what torch's functions
+// do around the computation (dtype promotion, broadcasting, moving `dim`
+// last, 1-D inputs of cos_sim as one row) with views, then call the last-dim
+// ops through the dispatcher, so autograd, autocast, fake tensors and every
+// backend behave as through torch.ops. nanfree/ops.py holds the same steps
+// for torch.compile to trace.
+#include <ATen/ATen.h>
+#include <ATen/WrapDimUtils.h>
+#include <pybind11/pybind11.h>
 #include <torch/autograd.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "common/autograd.h"
+#include "common/checks.h"
 #include "common/cosine_op.h"
 #include "common/find_op.h"
+#include "python_module.h"
 
 namespace nanfree {
 namespace {
@@ -45,26 +62,11 @@ std::tuple<at::Tensor, at::Tensor> cosine_backward_op(const at::Tensor& grad, co
   return op.call(grad, x1, x2, output, stats);
 }
 
-at::Tensor call_normalize_backward(const at::Tensor& grad, const at::Tensor& output,
-                                   const at::Tensor& stats) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return normalize_backward_op(grad, output, stats);
-}
-
 std::tuple<at::Tensor, at::Tensor> call_cosine(const at::Tensor& x1, const at::Tensor& x2,
                                                double eps) {
   static const auto op = find_op<CosineSignature>("nanfree::cosine_similarity");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(x1, x2, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor> call_cosine_backward(const at::Tensor& grad,
-                                                        const at::Tensor& x1,
-                                                        const at::Tensor& x2,
-                                                        const at::Tensor& output,
-                                                        const at::Tensor& stats) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return cosine_backward_op(grad, x1, x2, output, stats);
 }
 
 at::Tensor call_cos_sim_matrix(const at::Tensor& a, const at::Tensor& b) {
@@ -126,43 +128,22 @@ struct NanfreeCosSimMatrixBackward final : torch::autograd::Function<NanfreeCosS
   }
 };
 
-// The backward ops, differentiable once more only in name.
+// The backward ops' own nodes (create_graph=True), which refuse double backward.
 struct NanfreeNormalizeBackwardBackward final
-    : torch::autograd::Function<NanfreeNormalizeBackwardBackward> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad,
-                               const at::Tensor& output, const at::Tensor& stats) {
-    return {call_normalize_backward(grad, output, stats)};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    refuse_double_backward("nanfree::normalize_backward", "cosine");
-  }
+    : RefusedDoubleBackward<NanfreeNormalizeBackwardBackward, &normalize_backward_op> {
+  static constexpr const char* kOpName = "nanfree::normalize_backward";
+  static constexpr const char* kFamily = "cosine";
 };
-
 struct NanfreeCosineSimilarityBackwardBackward final
-    : torch::autograd::Function<NanfreeCosineSimilarityBackwardBackward> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& x1,
-                               const at::Tensor& x2, const at::Tensor& output,
-                               const at::Tensor& stats) {
-    auto [grad_x1, grad_x2] = call_cosine_backward(grad, x1, x2, output, stats);
-    return {grad_x1, grad_x2};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    refuse_double_backward("nanfree::cosine_similarity_backward", "cosine");
-  }
+    : RefusedDoubleBackward<NanfreeCosineSimilarityBackwardBackward, &cosine_backward_op> {
+  static constexpr const char* kOpName = "nanfree::cosine_similarity_backward";
+  static constexpr const char* kFamily = "cosine";
 };
 
 std::tuple<at::Tensor, at::Tensor> normalize_with_autograd(const at::Tensor& input, double eps) {
   if (!needs_graph(input)) return call_normalize(input, eps);
   const variable_list out = NanfreeNormalizeBackward::apply(input, eps);
   return {out[0], out[1]};
-}
-
-at::Tensor normalize_backward_with_autograd(const at::Tensor& grad, const at::Tensor& output,
-                                            const at::Tensor& stats) {
-  if (!needs_graph(grad) && !needs_graph(output)) {
-    return call_normalize_backward(grad, output, stats);
-  }
-  return NanfreeNormalizeBackwardBackward::apply(grad, output, stats)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor> cosine_with_autograd(const at::Tensor& x1, const at::Tensor& x2,
@@ -172,30 +153,98 @@ std::tuple<at::Tensor, at::Tensor> cosine_with_autograd(const at::Tensor& x1, co
   return {out[0], out[1]};
 }
 
-std::tuple<at::Tensor, at::Tensor> cosine_backward_with_autograd(
-    const at::Tensor& grad, const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& output,
-    const at::Tensor& stats) {
-  if (!needs_graph(grad) && !needs_graph(x1) && !needs_graph(x2) && !needs_graph(output)) {
-    return call_cosine_backward(grad, x1, x2, output, stats);
-  }
-  const variable_list out =
-      NanfreeCosineSimilarityBackwardBackward::apply(grad, x1, x2, output, stats);
-  return {out[0], out[1]};
-}
-
 at::Tensor cos_sim_matrix_with_autograd(const at::Tensor& a, const at::Tensor& b) {
   if (!needs_graph(a) && !needs_graph(b)) return call_cos_sim_matrix(a, b);
   return NanfreeCosSimMatrixBackward::apply(a, b)[0];
+}
+
+// --- Python entry points ------------------------------------------------------
+
+// The dtype two inputs are computed in (torch's promotion); both must be floating.
+at::ScalarType common_float_dtype(const char* op, const char* name1, const at::Tensor& t1,
+                                  const char* name2, const at::Tensor& t2) {
+  check_float_input(op, name1, t1);
+  check_float_input(op, name2, t2);
+  return at::promote_types(t1.scalar_type(), t2.scalar_type());
+}
+
+// The broadcast shape of two shapes; ValueError when they do not broadcast.
+std::vector<int64_t> broadcast_shape(const char* op, const at::Tensor& x1, const at::Tensor& x2) {
+  const int64_t rank = std::max(x1.dim(), x2.dim());
+  std::vector<int64_t> shape(rank);
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t a = i < rank - x1.dim() ? 1 : x1.size(i - (rank - x1.dim()));
+    const int64_t b = i < rank - x2.dim() ? 1 : x2.size(i - (rank - x2.dim()));
+    TORCH_CHECK_VALUE(a == b || a == 1 || b == 1, "nanfree.", op, ": `x1` of shape ", x1.sizes(),
+                      " and `x2` of shape ", x2.sizes(), " do not broadcast");
+    shape[i] = a == 1 ? b : a;
+  }
+  return shape;
+}
+
+at::Tensor cosine_similarity(const at::Tensor& x1, const at::Tensor& x2, int64_t dim, double eps) {
+  static const auto op = find_op<CosineSignature>("nanfree::cosine_similarity");
+  const char* name = "cosine_similarity";
+  const at::ScalarType dtype = common_float_dtype(name, "x1", x1, "x2", x2);
+  check_same_device(name, "x2", x1, x2, "x1");
+  const std::vector<int64_t> shape = broadcast_shape(name, x1, x2);
+  const auto rank = static_cast<int64_t>(shape.size());
+  dim = wrap_dim(name, dim, rank, rank);
+  const auto vectors_last = [&](const at::Tensor& t) {
+    return t.to(dtype).expand(shape).movedim(dim, -1);
+  };
+  return std::get<0>(op.call(vectors_last(x1), vectors_last(x2), eps));
+}
+
+at::Tensor normalize(const at::Tensor& input, int64_t dim, double eps) {
+  static const auto op = find_op<NormalizeSignature>("nanfree::normalize");
+  check_float_input("normalize", "input", input);
+  dim = wrap_dim("normalize", dim, input.dim(), input.dim());
+  return std::get<0>(op.call(input.movedim(dim, -1), eps)).movedim(-1, dim);
+}
+
+// sentence-transformers' cos_sim: 1-D inputs are one row; rows normalized with
+// F.normalize's eps, then one GEMM, clamped.
+at::Tensor cos_sim(const at::Tensor& a, const at::Tensor& b) {
+  static const auto normalize_op = find_op<NormalizeSignature>("nanfree::normalize");
+  static const auto matrix_op = find_op<CosSimMatrixSignature>("nanfree::cos_sim_matrix");
+  const char* name = "cos_sim";
+  const at::ScalarType dtype = common_float_dtype(name, "a", a, "b", b);
+  check_same_device(name, "b", a, b, "a");
+  const auto rows = [&](const at::Tensor& t, const char* arg) {
+    TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, "nanfree.cos_sim: `", arg,
+                      "` must be 1-D or 2-D, got ", t.dim(), " dimensions");
+    return t.dim() == 1 ? t.unsqueeze(0) : t;
+  };
+  // Every check before the first kernel.
+  const at::Tensor a_rows = rows(a, "a"), b_rows = rows(b, "b");
+  TORCH_CHECK_VALUE(a_rows.size(1) == b_rows.size(1), "nanfree.cos_sim: `a` has vectors of ",
+                    a_rows.size(1), " entries but `b` of ", b_rows.size(1));
+  const auto normalized = [&](const at::Tensor& t) {
+    return std::get<0>(normalize_op.call(t.to(dtype), kCosSimEps));
+  };
+  return matrix_op.call(normalized(a_rows), normalized(b_rows));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, Autograd, m) {
   m.impl("normalize", &normalize_with_autograd);
-  m.impl("normalize_backward", &normalize_backward_with_autograd);
+  m.impl("normalize_backward",
+         &BackwardOpAutograd<NanfreeNormalizeBackwardBackward, &normalize_backward_op>::kernel);
   m.impl("cosine_similarity", &cosine_with_autograd);
-  m.impl("cosine_similarity_backward", &cosine_backward_with_autograd);
+  m.impl("cosine_similarity_backward",
+         &BackwardOpAutograd<NanfreeCosineSimilarityBackwardBackward, &cosine_backward_op>::kernel);
   m.impl("cos_sim_matrix", &cos_sim_matrix_with_autograd);
+}
+
+void bind_cosine(pybind11::module_& m) {
+  namespace py = pybind11;
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("cosine_similarity", &cosine_similarity, release);
+  m.def("normalize", &normalize, release);
+  m.def("cos_sim", &cos_sim, release);
+  m.attr("COS_SIM_EPS") = kCosSimEps;
 }
 
 }  // namespace nanfree

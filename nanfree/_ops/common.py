@@ -1,5 +1,8 @@
-"""Argument checks shared by the Python backends of every op family: the same
-errors, with the same words and exception types, as csrc/common/checks.h."""
+"""What every op family's Python side shares: the op-level argument checks of
+the Python backends and fake kernels (the same errors, with the same words and
+exception types, as csrc/common/checks.h), the checks of Python argument types
+that nanfree.ops makes before calling an op (the C++ entry points only say
+that a call did not match), and the accumulation dtype."""
 
 import math
 
@@ -58,3 +61,33 @@ def broadcast_mask(op, ref, mask):
                          f"to the input's shape {list(ref.shape)}")
     keep = mask if mask.dtype == torch.bool else mask != 0
     return keep.expand(ref.shape)
+
+
+def check_tensors(op, **tensors):
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_optional_tensor(op, name, t):
+    if t is not None and not isinstance(t, torch.Tensor):
+        raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor or None, "
+                        f"got {type(t).__name__}")
+
+
+def check_number(op, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"nanfree.{op}: `{name}` must be a number, got {type(value).__name__}")
+
+
+def check_dim_type(op, dim):
+    if not isinstance(dim, int):
+        raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
+
+
+def fake_kernels(pairs):
+    """Registers each (op name, fake kernel) pair: fake kernels check their
+    arguments as the real ones do (they also serve the meta device, which a
+    mixed-device call dispatches to)."""
+    for name, fake in pairs:
+        torch.library.register_fake(f"nanfree::{name}", fake)

@@ -1,5 +1,8 @@
-// Autograd of the GeM ops, registered once at the Autograd key for every
-// backend (C++, CUDA, Triton, pure torch). gem saves its input, mask and
+// The GeM family's C++ side shared by every backend (C++, CUDA, Triton, pure
+// torch): its autograd, registered once at the Autograd key. (nanfree.ops.gem
+// views its input as the op's [outer, n, inner] in Python and calls the op
+// through torch.ops: a reduction over images or tokens is not a per-call
+// latency path.) gem saves its input, mask and
 // per-reduction statistics; the hand-written backward op gives the input's
 // gradient and, for a tensor p that needs one, p's (summed over reductions in
 // the backward op). Here p's gradient gets torch.clamp's mask (0 at and beyond
@@ -8,7 +11,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -88,41 +90,19 @@ struct NanfreeGemBackward final : torch::autograd::Function<NanfreeGemBackward> 
   }
 };
 
-struct NanfreeGemBackwardBackward final : torch::autograd::Function<NanfreeGemBackwardBackward> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad,
-                               const at::Tensor& input, const std::optional<at::Tensor>& p,
-                               double p_value, const at::Tensor& stats, double eps,
-                               const std::optional<at::Tensor>& mask, bool p_grad) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [grad_input, dp] = gem_backward_op(grad, input, p, p_value, stats, eps, mask, p_grad);
-    return {grad_input, dp};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    refuse_double_backward("nanfree::gem_backward", "gem");
-  }
+// gem_backward's own node (create_graph=True), which refuses double backward.
+struct NanfreeGemBackwardBackward final
+    : RefusedDoubleBackward<NanfreeGemBackwardBackward, &gem_backward_op> {
+  static constexpr const char* kOpName = "nanfree::gem_backward";
+  static constexpr const char* kFamily = "gem";
 };
 
 std::tuple<at::Tensor, at::Tensor> gem_with_autograd(const at::Tensor& input,
                                                      const std::optional<at::Tensor>& p,
                                                      double p_value, double eps,
                                                      const std::optional<at::Tensor>& mask) {
-  const bool p_needs = p.has_value() && needs_graph(*p);
-  if (!needs_graph(input) && !p_needs) return call_gem(input, p, p_value, eps, mask);
+  if (!any_needs_graph(input, p)) return call_gem(input, p, p_value, eps, mask);
   const variable_list out = NanfreeGemBackward::apply(input, p, p_value, eps, mask);
-  return {out[0], out[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> gem_backward_with_autograd(
-    const at::Tensor& grad, const at::Tensor& input, const std::optional<at::Tensor>& p,
-    double p_value, const at::Tensor& stats, double eps, const std::optional<at::Tensor>& mask,
-    bool p_grad) {
-  const bool p_needs = p.has_value() && needs_graph(*p);
-  if (!needs_graph(grad) && !needs_graph(input) && !p_needs) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return gem_backward_op(grad, input, p, p_value, stats, eps, mask, p_grad);
-  }
-  const variable_list out =
-      NanfreeGemBackwardBackward::apply(grad, input, p, p_value, stats, eps, mask, p_grad);
   return {out[0], out[1]};
 }
 
@@ -130,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> gem_backward_with_autograd(
 
 TORCH_LIBRARY_IMPL(nanfree, Autograd, m) {
   m.impl("gem", &gem_with_autograd);
-  m.impl("gem_backward", &gem_backward_with_autograd);
+  m.impl("gem_backward", &BackwardOpAutograd<NanfreeGemBackwardBackward, &gem_backward_op>::kernel);
 }
 
 }  // namespace nanfree

@@ -1,23 +1,37 @@
-// Autograd of the softmax-family ops, registered once at the Autograd key, so
-// it serves every backend (C++, CUDA, Triton, pure torch): the forward runs the
-// op below autograd and saves what the backward op needs; the backward calls
-// the matching *_backward op through the dispatcher. torch.func transforms
-// that differentiate (grad, vjp, jacrev) do not support C++ autograd
-// functions; torch.vmap works. Written in
-// C++ rather than with torch.library.register_autograd because a Python
-// autograd kernel costs tens of microseconds per call.
+// The softmax family's C++ side shared by every backend (C++, CUDA, Triton,
+// pure torch): its autograd, registered once at the Autograd key, and the
+// Python entry points of nanfree.ops.
+//
+// Autograd: the forward runs the op below autograd and saves what the
+// backward op needs; the backward calls the matching *_backward op through
+// the dispatcher. torch.func transforms that differentiate (grad, vjp, jacrev)
+// do not support C++ autograd functions; torch.vmap works. Written in C++
+// rather than with torch.library.register_autograd because a Python autograd
+// kernel costs tens of microseconds per call.
+//
+// Python entry points: nanfree.ops.softmax and friends call these (outside
+// torch.compile) instead of torch.ops.nanfree.*, whose boxed Python call costs
+// about a microsecond more per call, a third of a small tensor's whole call.
+// They only handle what the op does not (the dtype= cast, keepdim) and call
+// the op through the dispatcher, so autograd, autocast, fake tensors and every
+// backend behave exactly as through torch.ops. The op checks every argument.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <pybind11/pybind11.h>
 #include <torch/autograd.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <optional>
-#include <string>
 #include <tuple>
 #include <type_traits>
 
 #include "common/autograd.h"
 #include "common/find_op.h"
 #include "common/softmax_op.h"
+#include "python_module.h"
 
 namespace nanfree {
 namespace {
@@ -77,24 +91,6 @@ struct SoftmaxFamilyFunction : public torch::autograd::Function<Self> {
   }
 };
 
-// The backward ops are differentiable once more only in name: with
-// create_graph=True they record a node whose own backward refuses with a
-// clear error, instead of PyTorch's fallback, which only warns and drops the
-// second-order term.
-template <SoftmaxKind kind, typename Self>
-struct BackwardOpFunction : public torch::autograd::Function<Self> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad,
-                               const at::Tensor& saved, const at::Tensor& stats, int64_t dim,
-                               const std::optional<at::Tensor>& mask) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return {call_backward_op<kind>(grad, saved, stats, dim, mask)};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    refuse_double_backward(backward_name(kind), "softmax");
-  }
-};
-
 // The graph nodes, named as torch names its own (grad_fn=<NanfreeSoftmaxBackward>).
 struct NanfreeSoftmaxBackward final
     : SoftmaxFamilyFunction<SoftmaxKind::Softmax, NanfreeSoftmaxBackward> {};
@@ -102,23 +98,39 @@ struct NanfreeLogSoftmaxBackward final
     : SoftmaxFamilyFunction<SoftmaxKind::LogSoftmax, NanfreeLogSoftmaxBackward> {};
 struct NanfreeLogsumexpBackward final
     : SoftmaxFamilyFunction<SoftmaxKind::LogSumExp, NanfreeLogsumexpBackward> {};
+
+// The backward ops' own nodes (create_graph=True), which refuse double backward.
+template <SoftmaxKind kind, typename Self>
+struct BackwardOpNode : RefusedDoubleBackward<Self, &call_backward_op<kind>> {
+  static constexpr const char* kFamily = "softmax";
+};
 struct NanfreeSoftmaxBackwardBackward final
-    : BackwardOpFunction<SoftmaxKind::Softmax, NanfreeSoftmaxBackwardBackward> {};
+    : BackwardOpNode<SoftmaxKind::Softmax, NanfreeSoftmaxBackwardBackward> {
+  static constexpr const char* kOpName = "nanfree::softmax_backward";
+};
 struct NanfreeLogSoftmaxBackwardBackward final
-    : BackwardOpFunction<SoftmaxKind::LogSoftmax, NanfreeLogSoftmaxBackwardBackward> {};
+    : BackwardOpNode<SoftmaxKind::LogSoftmax, NanfreeLogSoftmaxBackwardBackward> {
+  static constexpr const char* kOpName = "nanfree::log_softmax_backward";
+};
 struct NanfreeLogsumexpBackwardBackward final
-    : BackwardOpFunction<SoftmaxKind::LogSumExp, NanfreeLogsumexpBackwardBackward> {};
+    : BackwardOpNode<SoftmaxKind::LogSumExp, NanfreeLogsumexpBackwardBackward> {
+  static constexpr const char* kOpName = "nanfree::logsumexp_backward";
+};
 
 template <SoftmaxKind kind>
 using ForwardNode = std::conditional_t<
     kind == SoftmaxKind::Softmax, NanfreeSoftmaxBackward,
     std::conditional_t<kind == SoftmaxKind::LogSoftmax, NanfreeLogSoftmaxBackward,
                        NanfreeLogsumexpBackward>>;
+
 template <SoftmaxKind kind>
 using BackwardNode = std::conditional_t<
     kind == SoftmaxKind::Softmax, NanfreeSoftmaxBackwardBackward,
     std::conditional_t<kind == SoftmaxKind::LogSoftmax, NanfreeLogSoftmaxBackwardBackward,
                        NanfreeLogsumexpBackwardBackward>>;
+template <SoftmaxKind kind>
+constexpr auto backward_with_autograd =
+    &BackwardOpAutograd<BackwardNode<kind>, &call_backward_op<kind>>::kernel;
 
 template <SoftmaxKind kind>
 std::tuple<at::Tensor, at::Tensor> forward_with_autograd(const at::Tensor& input, int64_t dim,
@@ -128,15 +140,26 @@ std::tuple<at::Tensor, at::Tensor> forward_with_autograd(const at::Tensor& input
   return {outputs[0], outputs[1]};
 }
 
+// --- Python entry points ------------------------------------------------------
+
 template <SoftmaxKind kind>
-at::Tensor backward_with_autograd(const at::Tensor& grad, const at::Tensor& saved,
-                                  const at::Tensor& stats, int64_t dim,
-                                  const std::optional<at::Tensor>& mask) {
-  if (!needs_graph(grad) && !needs_graph(saved) && !needs_graph(stats)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_backward_op<kind>(grad, saved, stats, dim, mask);
-  }
-  return BackwardNode<kind>::apply(grad, saved, stats, dim, mask)[0];
+at::Tensor distribution(const at::Tensor& input, int64_t dim, std::optional<at::ScalarType> dtype,
+                        const std::optional<at::Tensor>& mask) {
+  static const auto op = find_op<ForwardSignature>(forward_name(kind));
+  if (!dtype.has_value()) return std::get<0>(op.call(input, dim, mask));
+  // As torch: the input is cast to `dtype` first, and an explicit dtype is
+  // kept under autocast (the fp32_set_opt_dtype policy leaves it alone).
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return std::get<0>(op.call(input.to(*dtype), dim, mask));
+}
+
+at::Tensor logsumexp(const at::Tensor& input, int64_t dim, bool keepdim,
+                     const std::optional<at::Tensor>& mask) {
+  static const auto op = find_op<ForwardSignature>(forward_name(SoftmaxKind::LogSumExp));
+  at::Tensor out = std::get<0>(op.call(input, dim, mask));
+  // The op has checked dim; a 0-d input keeps its 0-d result.
+  if (keepdim && input.dim() > 0) out = out.unsqueeze(dim < 0 ? dim + input.dim() : dim);
+  return out;
 }
 
 }  // namespace
@@ -145,9 +168,18 @@ TORCH_LIBRARY_IMPL(nanfree, Autograd, m) {
   m.impl("softmax", &forward_with_autograd<SoftmaxKind::Softmax>);
   m.impl("log_softmax", &forward_with_autograd<SoftmaxKind::LogSoftmax>);
   m.impl("logsumexp", &forward_with_autograd<SoftmaxKind::LogSumExp>);
-  m.impl("softmax_backward", &backward_without_mask<&backward_with_autograd<SoftmaxKind::Softmax>>);
-  m.impl("log_softmax_backward", &backward_with_autograd<SoftmaxKind::LogSoftmax>);
-  m.impl("logsumexp_backward", &backward_with_autograd<SoftmaxKind::LogSumExp>);
+  m.impl("softmax_backward", &backward_without_mask<backward_with_autograd<SoftmaxKind::Softmax>>);
+  m.impl("log_softmax_backward", backward_with_autograd<SoftmaxKind::LogSoftmax>);
+  m.impl("logsumexp_backward", backward_with_autograd<SoftmaxKind::LogSumExp>);
+}
+
+void bind_softmax(pybind11::module_& m) {
+  namespace py = pybind11;
+  // The GIL is released while the op runs, as torch's own bindings do.
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("softmax", &distribution<SoftmaxKind::Softmax>, release);
+  m.def("log_softmax", &distribution<SoftmaxKind::LogSoftmax>, release);
+  m.def("logsumexp", &logsumexp, release);
 }
 
 }  // namespace nanfree

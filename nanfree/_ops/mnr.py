@@ -1,0 +1,446 @@
+"""The MNR family's Python side (mnr_loss, mnr_loss_backward): the op-level
+argument checks of the Python backends (Triton, pure PyTorch) and the fake
+kernels, with the same errors, words and exception types as
+csrc/common/mnr_op.h (the layout and rules are those of
+csrc/include/nanfree/mnr_math.h); the fake kernels and the autograd,
+registered once for every backend; the normalization around the Python
+backends' cores; and nanfree.ops' conversion of sentence-transformers'
+options into the op's. The schemas are in csrc/registration.cpp; the autocast
+in csrc/autocast.cpp.
+
+Autograd is registered from Python (torch.library.register_autograd), not in
+C++ as the per-call families': the loss runs once per training step, and its
+backward only routes saved tensors (the kernels do all the work), so a
+Python node costs nothing measurable there.
+
+mnr_loss called with `grad=True` and a reduced loss (nanfree.ops.mnr_loss does
+so when the loss is reduced to a scalar and a gradient is wanted) has already
+computed the gradients for an upstream gradient of 1 in the same pass as the
+loss (no logit is recomputed); the backward scales them by the incoming
+gradient. Otherwise (reduction 'none', or called without `grad`) the backward
+calls mnr_loss_backward, which recomputes the logits tile by tile from the
+saved logsumexps. Double backward is refused."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .common import acc_dtype, check_device, check_float, check_number, check_tensors, fake_kernels
+
+FORWARD_OPS = ("mnr_loss",)
+BACKWARD_OPS = ("mnr_loss_backward",)
+OPS = FORWARD_OPS + BACKWARD_OPS
+
+QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = 1, 2, 4, 8
+STATS = 2  # the logsumexp of each local row's query row and positive's row
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class MnrProblem:
+    r: int  # queries (all ranks)
+    m: int  # docs (all ranks)
+    d: int
+    offset: int
+    rows: int  # local rows
+    owned_end: int
+    query_to_query: bool
+    doc_to_query: bool
+    doc_to_doc: bool
+    per_direction: bool
+    hardness_mode: int
+    hardness_strength: float
+    reduction: int
+
+    @property
+    def has_p_row(self):
+        return self.doc_to_query or self.doc_to_doc
+
+
+def _check_embeddings(op, queries, docs):
+    check_float(op, "queries", queries)
+    check_float(op, "docs", docs)
+    check_device(op, "docs", queries, docs, "queries")
+    if queries.dim() != 2 or docs.dim() != 2:
+        raise ValueError(f"nanfree.{op}: `queries` and `docs` must be 2-D, got "
+                         f"{queries.dim()} and {docs.dim()} dimensions")
+    if queries.dtype != docs.dtype:
+        raise TypeError(f"nanfree.{op}: `queries` is {queries.dtype} but `docs` is {docs.dtype}")
+    if queries.shape[1] != docs.shape[1]:
+        raise ValueError(f"nanfree.{op}: `queries` has rows of {queries.shape[1]} entries but "
+                         f"`docs` of {docs.shape[1]}")
+
+
+def check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
+                   per_direction, hardness_mode, hardness_strength, reduction,
+                   op="mnr_loss"):
+    _check_embeddings(op, queries, docs)
+    r, m = queries.shape[0], docs.shape[0]
+    if scale is not None:
+        check_float(op, "scale", scale)
+        if scale.numel() != 1:
+            raise ValueError(f"nanfree.{op}: a tensor `scale` must have one element, got shape "
+                             f"{list(scale.shape)}")
+        check_device(op, "scale", queries, scale, "queries")
+    elif not (math.isfinite(scale_value) and scale_value > 0):
+        raise ValueError(f"nanfree.{op}: `scale` must be positive and finite, got {scale_value}")
+    if not (rows >= 1 and offset >= 0 and offset + rows <= r):
+        raise ValueError(f"nanfree.{op}: local rows [{offset}, {offset + rows}) are not within "
+                         f"the {r} queries")
+    if not (owned_blocks >= 1 and owned_blocks * r <= m):
+        raise ValueError(f"nanfree.{op}: {owned_blocks} blocks of {r} docs do not fit in the "
+                         f"{m} docs")
+    if not (0 <= directions < 16 and directions & QUERY_TO_DOC):
+        raise ValueError(f"nanfree.{op}: `directions` {directions} must hold query_to_doc (1)")
+    if per_direction and directions & (QUERY_TO_QUERY | DOC_TO_DOC):
+        raise ValueError(f"nanfree.{op}: partition_mode 'per_direction' does not allow "
+                         "query_to_query or doc_to_doc")
+    if hardness_mode not in (0, 1, 2, 3):
+        raise ValueError(f"nanfree.{op}: `hardness_mode` {hardness_mode} is not 0-3")
+    if not (math.isfinite(hardness_strength) and hardness_strength >= 0):
+        raise ValueError(f"nanfree.{op}: `hardness_strength` must be finite and >= 0, got "
+                         f"{hardness_strength}")
+    if reduction not in (REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM):
+        raise ValueError(f"nanfree.{op}: `reduction` {reduction} is not 0-2")
+    return MnrProblem(r=r, m=m, d=queries.shape[1], offset=offset, rows=rows,
+                      owned_end=owned_blocks * r,
+                      query_to_query=bool(directions & QUERY_TO_QUERY),
+                      doc_to_query=bool(directions & DOC_TO_QUERY),
+                      doc_to_doc=bool(directions & DOC_TO_DOC),
+                      per_direction=bool(per_direction), hardness_mode=hardness_mode,
+                      hardness_strength=float(hardness_strength), reduction=reduction)
+
+
+def loss_shape(problem):
+    return (problem.rows,) if problem.reduction == REDUCTION_NONE else ()
+
+
+def check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset, rows,
+                            owned_blocks, directions, per_direction, hardness_mode,
+                            hardness_strength, reduction):
+    op = "mnr_loss_backward"
+    problem = check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+                             directions, per_direction, hardness_mode, hardness_strength,
+                             reduction, op=op)
+    acc = acc_dtype(queries.dtype)
+    if tuple(grad_loss.shape) != loss_shape(problem) or grad_loss.dtype != acc:
+        raise ValueError(f"nanfree.{op}: `grad_loss` must be {list(loss_shape(problem))} of "
+                         f"{acc}, got {list(grad_loss.shape)} {grad_loss.dtype}")
+    check_device(op, "grad_loss", queries, grad_loss, "queries")
+    if tuple(stats.shape) != (rows, STATS) or stats.dtype != acc:
+        raise ValueError(f"nanfree.{op}: `stats` must be the forward's saved statistics")
+    check_device(op, "stats", queries, stats, "queries")
+    return problem
+
+
+def reduce_loss(problem, loss_rows):
+    """The loss of the problem's reduction from the local rows' losses [rows]."""
+    if problem.reduction == REDUCTION_MEAN:
+        return loss_rows.sum() / problem.rows
+    if problem.reduction == REDUCTION_SUM:
+        return loss_rows.sum()
+    return loss_rows
+
+
+def no_gradients(queries, acc):
+    """mnr_loss's gradient outputs without `grad`: three distinct empty tensors
+    (outputs of an op may not alias)."""
+    return queries.new_empty((0,)), queries.new_empty((0,)), queries.new_empty((0,), dtype=acc)
+
+
+def upstream_per_row(problem, grad_loss):
+    """Each local row's upstream gradient [rows] from the loss's gradient."""
+    if problem.reduction == REDUCTION_MEAN:
+        return (grad_loss / problem.rows).expand(problem.rows)
+    if problem.reduction == REDUCTION_SUM:
+        return grad_loss.expand(problem.rows)
+    return grad_loss
+
+
+# (integer type of the same width, exponent bias, mantissa bits) of acc.
+_FLOAT_BITS = {torch.float32: (torch.int32, 127, 23), torch.float64: (torch.int64, 1023, 52)}
+
+
+def scaled_upstream(upstream, acc):
+    """(upstream / 2^e, 2^e as a 0-d tensor): 2^e from the largest finite
+    |upstream| (at most 2 after the division), a normal power of two of acc
+    whose inverse is normal too; computed on the device (no host sync). The
+    gradients are computed for the scaled upstream (no logit gradient, times
+    the scale, can overflow) and multiplied by 2^e at the end, saturating at
+    acc's largest finite value (mnr_math.h)."""
+    # A non-finite upstream gradient (NaN stays NaN in its rows) does not set the scale.
+    finite = torch.where(torch.isfinite(upstream), upstream.abs(), 0.0)
+    exponent = torch.frexp(finite.amax()).exponent.to(torch.int64)
+    bits, bias, mantissa = _FLOAT_BITS[acc]
+    exponent = exponent.clamp(2 - bias, bias)
+    # 2^e built from its bits: exact (torch.ldexp goes through a float32 pow).
+    factor = ((exponent + bias) << mantissa).to(bits).view(acc)
+    return (upstream / factor).contiguous(), factor
+
+
+def unscaled(grad, factor, dtype=None):
+    """grad * factor (2^e of scaled_upstream, or an upstream gradient) in
+    `dtype` (default grad's), saturated at that dtype's largest finite value (a
+    true gradient past its range); NaN stays NaN through clamp."""
+    dtype = grad.dtype if dtype is None else dtype
+    big = torch.finfo(dtype).max
+    wide = torch.promote_types(grad.dtype, dtype)  # holds both grad and the bound
+    # Clamped in place: the product is a fresh tensor, and no second copy is held.
+    return (grad.to(wide) * factor).clamp_(-big, big).to(dtype)
+
+
+# --- the normalization around the Python backends' cores ---------------------------
+
+MNR_NORMALIZE_EPS = 1e-12  # kMnrNormalizeEps of mnr_math.h
+
+
+def _normalize(t):
+    return torch.ops.nanfree.normalize(t.contiguous(), MNR_NORMALIZE_EPS)
+
+
+def _raw_grad(grad, normalized, stats):
+    dtype = normalized.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        # Half gradients saturate at the type's largest finite value (as the
+        # cosine family's); NaN stays NaN through clamp.
+        grad = grad.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return torch.ops.nanfree.normalize_backward(grad.to(dtype).contiguous(), normalized, stats)
+
+
+def on_raw_embeddings(core_forward, core_backward, check_forward, check_backward):
+    """(mnr_loss, mnr_loss_backward) op functions over a backend's cores:
+    core_forward(queries_hat, docs_hat, scale, scale_value, ..., grad) and
+    core_backward(grad_loss, queries_hat, docs_hat, ...), with the ops'
+    signatures (csrc/registration.cpp)."""
+
+    def mnr_loss(queries, docs, scale, scale_value, *config):
+        check_forward(queries, docs, scale, scale_value, *config[:-1])
+        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize(docs)
+        loss, stats, gq, gd, gs = core_forward(q_hat, d_hat, scale, scale_value, *config)
+        if config[-1]:  # grad
+            gq, gd = _raw_grad(gq, q_hat, q_stats), _raw_grad(gd, d_hat, d_stats)
+        return loss, stats, gq, gd, gs
+
+    def mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, *config):
+        check_backward(grad_loss, queries, docs, scale, scale_value, stats, *config)
+        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize(docs)
+        gq, gd, gs = core_backward(grad_loss, q_hat, d_hat, scale, scale_value, stats, *config)
+        return _raw_grad(gq, q_hat, q_stats), _raw_grad(gd, d_hat, d_stats), gs
+
+    return mnr_loss, mnr_loss_backward
+
+
+# --- fake kernels and autograd -------------------------------------------------------
+
+
+def _fake_grads(queries, docs, scale, acc, grad):
+    if not grad:
+        return no_gradients(queries, acc)
+    grad_scale = queries.new_empty((), dtype=acc) if scale is not None else \
+        queries.new_empty((0,), dtype=acc)
+    return queries.new_empty(queries.shape), docs.new_empty(docs.shape), grad_scale
+
+
+def _fake_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
+                   per_direction, hardness_mode, hardness_strength, reduction, grad):
+    problem = check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+                             directions, per_direction, hardness_mode, hardness_strength,
+                             reduction)
+    acc = acc_dtype(queries.dtype)
+    return (queries.new_empty(loss_shape(problem), dtype=acc),
+            queries.new_empty((rows, STATS), dtype=acc),
+            *_fake_grads(queries, docs, scale, acc, grad))
+
+
+def _fake_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset, rows,
+                            owned_blocks, directions, per_direction, hardness_mode,
+                            hardness_strength, reduction):
+    check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset, rows,
+                            owned_blocks, directions, per_direction, hardness_mode,
+                            hardness_strength, reduction)
+    return _fake_grads(queries, docs, scale, acc_dtype(queries.dtype), True)
+
+
+# mnr_loss's arguments after the tensors (queries, docs, scale), as saved.
+_CONFIG = ("scale_value", "offset", "rows", "owned_blocks", "directions", "per_direction",
+           "hardness_mode", "hardness_strength", "reduction")
+
+
+def _setup_context(ctx, inputs, output):
+    queries, docs, scale, *config, grad = inputs
+    loss, stats, grad_queries, grad_docs, grad_scale = output
+    ctx.config = config
+    ctx.has_scale = scale is not None
+    ctx.scale_shape = None if scale is None else scale.shape
+    ctx.scale_dtype = None if scale is None else scale.dtype
+    # Gradients computed for an upstream 1 can be scaled by a scalar upstream
+    # gradient only; with reduction 'none' (0) the backward recomputes.
+    ctx.precomputed = grad and config[-1] != 0
+    if ctx.precomputed:
+        ctx.save_for_backward(grad_queries, grad_docs, grad_scale)
+    else:
+        ctx.save_for_backward(queries, docs, scale, stats)
+    ctx.mark_non_differentiable(stats, grad_queries, grad_docs, grad_scale)
+    # The other outputs never receive a gradient: no zero tensors of their sizes.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *unused):
+    if torch.is_grad_enabled():
+        raise RuntimeError("nanfree.mnr_loss: double backward is not supported")
+    if grad_loss is None:
+        # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
+        return (None,) * (3 + len(_CONFIG) + 1)
+    if ctx.precomputed:
+        # The gradients of an upstream 1 (a scalar loss): scaled, not recomputed.
+        grad_queries, grad_docs, grad_scale = ctx.saved_tensors
+        factor = grad_loss.to(grad_scale.dtype)
+        # A product past the dtype's range saturates (unscaled), as the
+        # recomputing path's gradients do.
+        grad_queries = unscaled(grad_queries.to(factor.dtype), factor, grad_queries.dtype)
+        grad_docs = unscaled(grad_docs.to(factor.dtype), factor, grad_docs.dtype)
+        grad_scale = unscaled(grad_scale, factor)
+    else:
+        queries, docs, scale, stats = ctx.saved_tensors
+        grad_queries, grad_docs, grad_scale = torch.ops.nanfree.mnr_loss_backward(
+            grad_loss.contiguous(), queries, docs, scale, ctx.config[0], stats, *ctx.config[1:])
+    if ctx.has_scale:
+        # In the scale's dtype, saturating (a float32 scale of float64 embeddings).
+        grad_scale = unscaled(grad_scale.reshape(ctx.scale_shape), 1.0, ctx.scale_dtype)
+    else:
+        grad_scale = None
+    return (grad_queries, grad_docs, grad_scale) + (None,) * (len(_CONFIG) + 1)
+
+
+def register():
+    fake_kernels([("mnr_loss", _fake_mnr_loss), ("mnr_loss_backward", _fake_mnr_loss_backward)])
+    torch.library.register_autograd("nanfree::mnr_loss", _backward, setup_context=_setup_context)
+
+
+# --- nanfree.ops' conversion of sentence-transformers' options ----------------------
+
+DIRECTIONS = {"query_to_doc": 1, "query_to_query": 2, "doc_to_query": 4, "doc_to_doc": 8}
+HARDNESS = {None: 0, "in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+DEFAULT_DIRECTIONS = ("query_to_doc",)
+# What symmetric=True means: (directions, partition_mode), as sentence-transformers'
+# MultipleNegativesSymmetricRankingLoss.
+SYMMETRIC = (("query_to_doc", "doc_to_query"), "per_direction")
+
+
+def torch_style_options(symmetric, directions, partition_mode, hardness_mode, hardness_strength,
+                 reduction):
+    """The op's integer options, after sentence-transformers' checks."""
+    op = "mnr_loss"
+    if symmetric:
+        if tuple(directions) != DEFAULT_DIRECTIONS or partition_mode != "joint":
+            raise ValueError(f"nanfree.{op}: `symmetric=True` sets directions and "
+                             "partition_mode; do not pass them too")
+        directions, partition_mode = SYMMETRIC
+    if isinstance(directions, str) or not directions:
+        raise ValueError(f"nanfree.{op}: `directions` must be a non-empty sequence of "
+                         f"{sorted(DIRECTIONS)}, got {directions!r}")
+    unknown = set(directions) - set(DIRECTIONS)
+    if unknown:
+        raise ValueError(f"nanfree.{op}: unknown `directions` {sorted(unknown)}; valid: "
+                         f"{sorted(DIRECTIONS)}")
+    if "query_to_doc" not in directions:
+        raise ValueError(f"nanfree.{op}: `directions` must include 'query_to_doc' (it holds "
+                         "the positive pair)")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"nanfree.{op}: `partition_mode` must be 'joint' or 'per_direction', "
+                         f"got {partition_mode!r}")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError(f"nanfree.{op}: partition_mode='per_direction' needs every direction "
+                         "to hold the positive pair; 'query_to_query' and 'doc_to_doc' do not "
+                         "(use partition_mode='joint')")
+    if hardness_mode not in HARDNESS:
+        raise ValueError(f"nanfree.{op}: `hardness_mode` must be one of "
+                         f"{list(HARDNESS)}, got {hardness_mode!r}")
+    check_number(op, "hardness_strength", hardness_strength)
+    if not (math.isfinite(hardness_strength) and hardness_strength >= 0):
+        raise ValueError(f"nanfree.{op}: `hardness_strength` must be finite and >= 0, got "
+                         f"{hardness_strength}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"nanfree.{op}: `reduction` must be 'mean', 'sum' or 'none', got "
+                         f"{reduction!r}")
+    bits = sum(DIRECTIONS[d] for d in set(directions))
+    hardness = HARDNESS[hardness_mode] if hardness_strength > 0 else 0
+    return bits, partition_mode == "per_direction", hardness, float(hardness_strength), \
+        REDUCTIONS[reduction]
+
+
+def torch_style_scale(scale, ref):
+    """(scale tensor or None, Python scale value)."""
+    op = "mnr_loss"
+    # Checked here, before the documents are concatenated (a kernel), with the
+    # op's words.
+    if isinstance(scale, torch.Tensor):
+        check_float(op, "scale", scale)
+        if scale.numel() != 1:
+            raise ValueError(f"nanfree.{op}: a tensor `scale` must have one element, got shape "
+                             f"{list(scale.shape)}")
+        check_device(op, "scale", ref, scale, "queries")
+        return scale, 0.0
+    check_number(op, "scale", scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"nanfree.{op}: `scale` must be positive and finite, got {scale}")
+    return None, float(scale)
+
+
+def check_torch_style_embeddings(queries, positives, negatives):
+    """Checks the embeddings; returns their common dtype."""
+    op = "mnr_loss"
+    check_tensors(op, queries=queries, positives=positives)
+    if negatives is not None:
+        check_tensors(op, negatives=negatives)
+    named = {"queries": queries, "positives": positives}
+    if negatives is not None:
+        named["negatives"] = negatives
+    for name, t in named.items():
+        check_float(op, name, t)
+        check_device(op, name, queries, t, "queries")
+    if queries.dim() != 2:
+        raise ValueError(f"nanfree.{op}: `queries` must be 2-D [B, d], got {queries.dim()} "
+                         "dimensions")
+    if queries.shape[0] == 0:
+        raise ValueError(f"nanfree.{op}: `queries` must hold at least one row")
+    if positives.shape != queries.shape:
+        raise ValueError(f"nanfree.{op}: `positives` must have the shape of `queries` "
+                         f"{list(queries.shape)}, got {list(positives.shape)}")
+    dtype = torch.promote_types(queries.dtype, positives.dtype)
+    if negatives is not None:
+        dtype = torch.promote_types(dtype, negatives.dtype)
+        if negatives.dim() == 3:
+            if negatives.shape[0] != queries.shape[0] or negatives.shape[2] != queries.shape[1]:
+                raise ValueError(f"nanfree.{op}: 3-D `negatives` must be [B, k, d] = "
+                                 f"[{queries.shape[0]}, k, {queries.shape[1]}], got "
+                                 f"{list(negatives.shape)}")
+        elif negatives.dim() == 2:
+            if negatives.shape[1] != queries.shape[1]:
+                raise ValueError(f"nanfree.{op}: 2-D `negatives` must be [N, d] with d = "
+                                 f"{queries.shape[1]}, got {list(negatives.shape)}")
+        else:
+            raise ValueError(f"nanfree.{op}: `negatives` must be [B, k, d] or [N, d], got "
+                             f"{negatives.dim()} dimensions")
+    return dtype
+
+
+def cat_rows(parts):
+    """torch.cat of same-dtype parts, also under autocast, whose cat refuses a
+    half dtype other than its own (the op itself widens under autocast)."""
+    device_type = parts[0].device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return torch.cat(parts)
+    return torch.cat(parts)
+
+
+def gather_with_grad(t):
+    """Every rank's rows, concatenated in rank order; the gradient of each
+    rank's rows flows back to that rank (torch.distributed.nn.all_gather, as
+    sentence-transformers gathers)."""
+    import torch.distributed.nn
+
+    return torch.cat(torch.distributed.nn.all_gather(t), dim=0)
