@@ -1,6 +1,6 @@
 // ATen-side helpers shared by the CPU and CUDA registrations of the GeM
-// family: argument checks, output allocation and the [outer, n, inner] shape
-// of the reduction (csrc/registration.cpp). The Python backends and the fake
+// family: argument checks and output allocation; the input is the
+// [outer, n, inner] view of common/layout.h, reduced over n (csrc/registration.cpp). The Python backends and the fake
 // kernels raise the same errors (nanfree/_ops/gem.py).
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/layout.h"
 
 namespace nanfree {
 
@@ -24,23 +25,6 @@ using GemBackwardSignature = std::tuple<at::Tensor, at::Tensor>(
 
 // Per-reduction statistics saved for the backward (gem_math.h): m, mean, count.
 constexpr int64_t kGemStats = 3;
-
-// The reduction's layout: `outer` blocks of n entries (stride `inner`) each
-// holding `inner` reductions (stride 1): entry j of reduction (o, i) is at
-// o * n * inner + j * inner + i of the contiguous input.
-struct GemShape {
-  int64_t outer;
-  int64_t n;
-  int64_t inner;
-  int64_t reductions() const { return outer * inner; }
-};
-
-// A mask's strides in the [outer, n, inner] layout (0 for a broadcast dim).
-struct GemMaskStrides {
-  int64_t outer;
-  int64_t n;
-  int64_t inner;
-};
 
 inline void check_gem_p(const char* op, const at::Tensor& input,
                         const std::optional<at::Tensor>& p, double p_value) {
@@ -74,14 +58,6 @@ inline void check_gem_input(const char* op, const at::Tensor& input, double eps,
   }
 }
 
-inline GemShape gem_shape(const at::Tensor& input) {
-  return GemShape{input.size(0), input.size(1), input.size(2)};
-}
-
-inline GemMaskStrides gem_mask_strides(const at::Tensor& mask) {
-  return GemMaskStrides{mask.stride(0), mask.stride(1), mask.stride(2)};
-}
-
 // A tensor p in the accumulation dtype as a 0-d tensor on the input's device
 // (the kernels clamp it, gem_clamp_p); undefined for a Python p.
 inline at::Tensor gem_p_acc(const at::Tensor& input, const std::optional<at::Tensor>& p) {
@@ -97,7 +73,7 @@ struct GemArgs {
   at::Tensor mask;    // bool, the input's shape, any strides; undefined for none
   at::Tensor output;  // [outer, inner], the input's dtype
   at::Tensor stats;   // [outer, inner, 3], accumulation dtype
-  GemShape shape;
+  ReductionLayout shape;
 };
 
 inline GemArgs prepare_gem(const at::Tensor& input, const std::optional<at::Tensor>& p,
@@ -111,7 +87,7 @@ inline GemArgs prepare_gem(const at::Tensor& input, const std::optional<at::Tens
   args.p_value = p_value;
   args.eps = eps;
   args.mask = mask.has_value() ? *mask : at::Tensor();
-  args.shape = gem_shape(input);
+  args.shape = reduction_layout(input, 1);
   args.output = at::empty({args.shape.outer, args.shape.inner}, input.options());
   args.stats = at::empty({args.shape.outer, args.shape.inner, kGemStats},
                          input.options().dtype(acc_dtype(input.scalar_type())));
@@ -129,7 +105,7 @@ struct GemBackwardArgs {
   bool p_grad;            // whether grad_p is wanted (then p is defined)
   at::Tensor grad_input;  // the input's shape and dtype
   at::Tensor grad_p;      // 0-d accumulation dtype when p_grad, else empty [0]
-  GemShape shape;
+  ReductionLayout shape;
 };
 
 inline GemBackwardArgs prepare_gem_backward(const at::Tensor& grad, const at::Tensor& input,
@@ -141,7 +117,7 @@ inline GemBackwardArgs prepare_gem_backward(const at::Tensor& grad, const at::Te
   check_gem_p(op, input, p, p_value);
   TORCH_CHECK_VALUE(!p_grad || p.has_value(), "nanfree.", op,
                     ": `p_grad` needs a tensor `p` (a Python p has no gradient)");
-  const GemShape shape = gem_shape(input);
+  const ReductionLayout shape = reduction_layout(input, 1);
   TORCH_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == shape.outer && grad.size(1) == shape.inner &&
                         grad.scalar_type() == input.scalar_type(),
                     "nanfree.", op, ": `grad_output` must be [outer, inner] = [", shape.outer,

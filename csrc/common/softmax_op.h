@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/layout.h"
 #include "nanfree/softmax_math.h"
 
 namespace nanfree {
@@ -44,45 +45,6 @@ inline std::string forward_name(SoftmaxKind kind) {
 }
 inline std::string backward_name(SoftmaxKind kind) { return forward_name(kind) + "_backward"; }
 
-// `dim` wrapped into [0, rank) (a 0-d tensor counts as one dimension); IndexError otherwise.
-inline int64_t wrap_dim(const char* op, const at::Tensor& input, int64_t dim) {
-  return wrap_dim(op, dim, std::max<int64_t>(input.dim(), 1), input.dim());
-}
-
-// Whether a tensor of shape `from` broadcasts to `to` without growing it.
-inline bool broadcasts_to(at::IntArrayRef from, at::IntArrayRef to) {
-  if (from.size() > to.size()) return false;
-  const size_t lead = to.size() - from.size();
-  for (size_t d = 0; d < from.size(); ++d) {
-    if (from[d] != 1 && from[d] != to[lead + d]) return false;
-  }
-  return true;
-}
-
-// The mask as a bool tensor of the input's shape (an expanded view when it
-// broadcasts; integer masks become `mask != 0`). TypeError for a float or
-// complex mask, ValueError for one on another device or of a shape that does
-// not broadcast to the input's.
-inline at::Tensor broadcast_mask(const char* op, const at::Tensor& input, const at::Tensor& mask) {
-  const at::ScalarType type = mask.scalar_type();
-  TORCH_CHECK_TYPE(type == at::kBool || at::isIntegralType(type, /*includeBool=*/false), "nanfree.",
-                   op, ": `mask` must be bool or integer (nonzero = keep), got ", type);
-  check_same_device(op, "mask", input, mask);
-  TORCH_CHECK_VALUE(broadcasts_to(mask.sizes(), input.sizes()), "nanfree.", op, ": `mask` of shape ", mask.sizes(),
-                    " does not broadcast to the input's shape ", input.sizes());
-  const at::Tensor keep = type == at::kBool ? mask : mask.ne(0);
-  return keep.expand(input.sizes());
-}
-
-// The [outer, cols, inner] view of a contiguous tensor reduced over `dim`; a
-// 0-d tensor is one row of one entry.
-inline SoftmaxShape softmax_shape(const at::Tensor& input, int64_t dim) {
-  if (input.dim() == 0) return SoftmaxShape{1, 1, 1};
-  const auto sizes = input.sizes();
-  return SoftmaxShape{c10::multiply_integers(sizes.begin(), sizes.begin() + dim), sizes[dim],
-                      c10::multiply_integers(sizes.begin() + dim + 1, sizes.end())};
-}
-
 // Shape of the per-row results (logsumexp): the input's shape without `dim`.
 inline std::vector<int64_t> row_shape(const at::Tensor& input, int64_t dim) {
   std::vector<int64_t> shape = input.sizes().vec();
@@ -99,44 +61,6 @@ inline std::vector<int64_t> stats_shape(const at::Tensor& input, int64_t dim) {
   return shape;
 }
 
-// Describes a bool mask of the input's shape (any strides, 0 for broadcast)
-// as a MaskView: the reduced dimension moved last (a view), the other
-// dimensions collapsed to at most three, or else materialized. `storage`
-// keeps whatever `data` points into alive.
-inline MaskView make_mask_view(const std::optional<at::Tensor>& mask, int64_t dim,
-                               at::Tensor& storage) {
-  MaskView view{nullptr, {1, 1, 1}, {0, 0, 0}, 0};
-  if (!mask.has_value()) return view;
-  storage = mask->dim() == 0 ? *mask : mask->movedim(dim, -1);
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    const int64_t ndim = storage.dim();
-    view.col_stride = ndim == 0 ? 0 : storage.stride(-1);
-    std::vector<int64_t> sizes, strides;
-    for (int64_t d = 0; d + 1 < ndim; ++d) {
-      if (storage.size(d) == 1) continue;
-      if (!sizes.empty() && strides.back() == storage.stride(d) * storage.size(d)) {
-        sizes.back() *= storage.size(d);
-        strides.back() = storage.stride(d);
-      } else {
-        sizes.push_back(storage.size(d));
-        strides.push_back(storage.stride(d));
-      }
-    }
-    if (sizes.size() <= 3) {
-      const size_t pad = 3 - sizes.size();
-      for (size_t i = 0; i < 3; ++i) {
-        view.sizes[i] = i < pad ? 1 : sizes[i - pad];
-        view.strides[i] = i < pad ? 0 : strides[i - pad];
-      }
-      view.data = storage.const_data_ptr<bool>();
-      return view;
-    }
-    storage = storage.contiguous();
-  }
-  TORCH_INTERNAL_ASSERT(false, "a contiguous mask always collapses");
-  return view;
-}
-
 // A forward's operands after the checks: the input made contiguous, the
 // outputs allocated, the mask described as a MaskView. `mask_storage` keeps a
 // materialized mask alive for as long as `mask` points into it.
@@ -146,7 +70,7 @@ struct ForwardArgs {
   at::Tensor stats;   // (max, log_sum) along `dim`, in the accumulation dtype
   at::Tensor mask_storage;
   MaskView mask;
-  SoftmaxShape shape;
+  ReductionLayout shape;
 };
 
 inline ForwardArgs prepare_forward(SoftmaxKind kind, const at::Tensor& input, int64_t dim,
@@ -163,7 +87,7 @@ inline ForwardArgs prepare_forward(SoftmaxKind kind, const at::Tensor& input, in
   args.output = kind == SoftmaxKind::LogSumExp ? at::empty(row_shape(input, dim), input.options())
                                                : at::empty(input.sizes(), input.options());
   args.mask = make_mask_view(keep, dim, args.mask_storage);
-  args.shape = softmax_shape(args.input, dim);
+  args.shape = reduction_layout(args.input, dim);
   return args;
 }
 
@@ -176,7 +100,7 @@ struct BackwardArgs {
   at::Tensor grad_input;
   at::Tensor mask_storage;
   MaskView mask;
-  SoftmaxShape shape;
+  ReductionLayout shape;
 };
 
 inline BackwardArgs prepare_backward(SoftmaxKind kind, const at::Tensor& grad,
@@ -207,7 +131,7 @@ inline BackwardArgs prepare_backward(SoftmaxKind kind, const at::Tensor& grad,
   args.stats = stats.contiguous();
   args.grad_input = at::empty(saved.sizes(), saved.options());
   args.mask = make_mask_view(keep, dim, args.mask_storage);
-  args.shape = softmax_shape(args.saved, dim);
+  args.shape = reduction_layout(args.saved, dim);
   return args;
 }
 

@@ -93,22 +93,6 @@ GemScalars<acc_t> gem_scalars(const at::Tensor& p_acc, double p_value, double ep
   return k;
 }
 
-// The mask in the [outer, n, inner] layout: entry (o, j, i) is kept when
-// data[o * outer + j * n + i * inner]; no data means every entry is kept.
-struct MaskView {
-  const bool* data = nullptr;
-  GemMaskStrides stride{0, 0, 0};
-};
-
-inline MaskView mask_view(const at::Tensor& mask) {
-  MaskView v;
-  if (mask.defined()) {
-    v.data = mask.const_data_ptr<bool>();
-    v.stride = gem_mask_strides(mask);
-  }
-  return v;
-}
-
 // b in lanes [0, count), a in the others (Vec::set without its switch).
 template <typename acc_t>
 inline Vec<acc_t> first_lanes(const Vec<acc_t>& a, const Vec<acc_t>& b, int64_t count) {
@@ -657,7 +641,7 @@ void rows_forward(const GemArgs& args, const GemScalars<at::opmath_type<scalar_t
   const scalar_t* in = args.input.const_data_ptr<scalar_t>();
   scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
   acc_t* stats = args.stats.mutable_data_ptr<acc_t>();
-  const MaskView mask = mask_view(args.mask);
+  const MaskView mask = layout_mask_view(args.mask);
   const int64_t blocks = (rows + B - 1) / B;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n * B, 1));
   const bool flat = flat_rows_apply<kMasked, acc_t>(n);
@@ -684,8 +668,8 @@ void rows_forward(const GemArgs& args, const GemScalars<at::opmath_type<scalar_t
       for (int64_t l = 0; l < nr; ++l) {
         const int64_t row = r0 + l;
         const scalar_t* x = in + row * n;
-        const bool* keep = kMasked ? mask.data + row * mask.stride.outer : nullptr;
-        const int64_t ks = mask.stride.n;
+        const bool* keep = kMasked ? mask.data + mask_offset(mask, row, 0) : nullptr;
+        const int64_t ks = mask.col_stride;
         if (flat) {
           cnt[l] = static_cast<acc_t>(n);
           if (fast[l]) continue;
@@ -745,7 +729,7 @@ inline void prefetch_row(const scalar_t* x_row, int64_t bytes) {
 
 template <MaskMode kMode, typename scalar_t>
 NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, int64_t n,
-                                         int64_t inner, const GemMaskStrides& ms,
+                                         int64_t inner, const MaskView& ms,
                                          const LaneGroup<at::opmath_type<scalar_t>>& g,
                                          const GemScalars<at::opmath_type<scalar_t>>& k,
                                          at::opmath_type<scalar_t>* m_out,
@@ -759,7 +743,7 @@ NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, in
   const V lowest(-std::numeric_limits<acc_t>::infinity()), zero(acc_t(0)), one(acc_t(1));
   const V epsv(k.eps), pv(k.p);
   const auto lane_keep = [&](int64_t j, int64_t v) {
-    return keep_lanes<acc_t>(keep + j * ms.n + v * w * ms.inner, ms.inner, g.width(v));
+    return keep_lanes<acc_t>(keep + j * ms.col_stride + v * w * ms.strides[2], ms.strides[2], g.width(v));
   };
 
   // Pass 1: the maxima and counts.
@@ -770,7 +754,7 @@ NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, in
   for (int64_t j = 0; j < n; ++j) {
     if (j + kPrefetchRows < n) prefetch_row(x + (j + kPrefetchRows) * inner, row_bytes);
     if constexpr (kMode == MaskMode::Row) {
-      if (!keep[j * ms.n]) continue;
+      if (!keep[j * ms.col_stride]) continue;
       ++rows_kept;
     }
     const scalar_t* xj = x + j * inner;
@@ -811,7 +795,7 @@ NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, in
   CompensatedSum<acc_t> total[G];
   for (int64_t j = 0; any_fast && j < n; ++j) {
     if constexpr (kMode == MaskMode::Row) {
-      if (!keep[j * ms.n]) continue;
+      if (!keep[j * ms.col_stride]) continue;
     }
     const scalar_t* xj = x + j * inner;
     for (int64_t v = 0; v < nv; ++v) {
@@ -829,7 +813,7 @@ NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, in
   for (int64_t l = 0; l < g.count; ++l) {
     if (fast_ratios(m_out[l], k) || cnt_out[l] == acc_t(0)) continue;
     sum_out[l] = power_sum_scalar(x + l, n, inner,
-                                  kMode == MaskMode::None ? nullptr : keep + l * ms.inner, ms.n,
+                                  kMode == MaskMode::None ? nullptr : keep + l * ms.strides[2], ms.col_stride,
                                   m_out[l], k);
   }
 }
@@ -837,14 +821,14 @@ NANFREE_HOT_LOOP void lanes_forward_task(const scalar_t* x, const bool* keep, in
 template <MaskMode kMode, typename scalar_t>
 void lanes_forward(const GemArgs& args, const GemScalars<at::opmath_type<scalar_t>>& k) {
   using acc_t = at::opmath_type<scalar_t>;
-  const GemShape s = args.shape;
+  const ReductionLayout s = args.shape;
   const int64_t width = lanes_per_task<acc_t>(s.inner);
   const int64_t per_outer = (s.inner + width - 1) / width;
   const int64_t tasks = s.outer * per_outer;
   const scalar_t* in = args.input.const_data_ptr<scalar_t>();
   scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
   acc_t* stats = args.stats.mutable_data_ptr<acc_t>();
-  const MaskView mask = mask_view(args.mask);
+  const MaskView mask = layout_mask_view(args.mask);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(s.n * width, 1));
 
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
@@ -855,8 +839,8 @@ void lanes_forward(const GemArgs& args, const GemScalars<at::opmath_type<scalar_
       const LaneGroup<acc_t> g{std::min<int64_t>(width, s.inner - i0)};
       const bool* keep = kMode == MaskMode::None
                              ? nullptr
-                             : mask.data + o * mask.stride.outer + i0 * mask.stride.inner;
-      lanes_forward_task<kMode>(in + o * s.n * s.inner + i0, keep, s.n, s.inner, mask.stride, g, k,
+                             : mask.data + mask_offset(mask, o, i0);
+      lanes_forward_task<kMode>(in + o * s.n * s.inner + i0, keep, s.n, s.inner, mask, g, k,
                                 m, sum, cnt);
       const int64_t r0 = o * s.inner + i0;
       finish_forward(m, sum, cnt, g.count, k, out + r0, stats + kGemStats * r0);
@@ -1204,7 +1188,7 @@ void rows_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_type
   const scalar_t* grad = args.grad.const_data_ptr<scalar_t>();
   const acc_t* stats = args.stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
-  const MaskView mask = mask_view(args.mask);
+  const MaskView mask = layout_mask_view(args.mask);
   const acc_t out_max = largest_finite<scalar_t>();
   const BackwardScalars<acc_t> bs = backward_scalars(k, out_max);
   const int64_t blocks = (rows + B - 1) / B;
@@ -1239,8 +1223,8 @@ void rows_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_type
         const int64_t row = r0 + l;
         const scalar_t* x = in + row * n;
         scalar_t* dx = dx_all + row * n;
-        const bool* keep = kMasked ? mask.data + row * mask.stride.outer : nullptr;
-        const int64_t ks = mask.stride.n;
+        const bool* keep = kMasked ? mask.data + mask_offset(mask, row, 0) : nullptr;
+        const int64_t ks = mask.col_stride;
         dsum[l] = 0;
         if (!q.live[l]) {  // no gradient: every entry 0, no divergence
           std::fill(dx, dx + n, scalar_t(0));
@@ -1260,7 +1244,7 @@ void rows_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_type
 
 template <MaskMode kMode, bool kPGrad, typename scalar_t>
 NANFREE_HOT_LOOP void lanes_backward_task(const scalar_t* x, scalar_t* dx, const bool* keep,
-                                          int64_t n, int64_t inner, const GemMaskStrides& ms,
+                                          int64_t n, int64_t inner, const MaskView& ms,
                                           const LaneGroup<at::opmath_type<scalar_t>>& g,
                                           const GemScalars<at::opmath_type<scalar_t>>& k,
                                           const ReductionGrads<at::opmath_type<scalar_t>>& q,
@@ -1275,7 +1259,7 @@ NANFREE_HOT_LOOP void lanes_backward_task(const scalar_t* x, scalar_t* dx, const
   const V zero(acc_t(0));
   const V all = zero == zero;
   const auto lane_keep = [&](int64_t j, int64_t v) {
-    return keep_lanes<acc_t>(keep + j * ms.n + v * w * ms.inner, ms.inner, g.width(v));
+    return keep_lanes<acc_t>(keep + j * ms.col_stride + v * w * ms.strides[2], ms.strides[2], g.width(v));
   };
   const int64_t row_bytes = g.count * static_cast<int64_t>(sizeof(scalar_t));
   EntryConsts<acc_t> e[G];
@@ -1297,7 +1281,7 @@ NANFREE_HOT_LOOP void lanes_backward_task(const scalar_t* x, scalar_t* dx, const
     const scalar_t* xj = x + j * inner;
     scalar_t* dxj = dx + j * inner;
     bool row_kept = true;
-    if constexpr (kMode == MaskMode::Row) row_kept = keep[j * ms.n];
+    if constexpr (kMode == MaskMode::Row) row_kept = keep[j * ms.col_stride];
     if (!row_kept || !any_fast) {  // a masked row, or no lane of the vector path: 0 here
       for (int64_t v = 0; v < nv; ++v) put_entries(zero, dxj + v * w, g.width(v), stream);
       continue;
@@ -1319,7 +1303,7 @@ NANFREE_HOT_LOOP void lanes_backward_task(const scalar_t* x, scalar_t* dx, const
   for (int64_t l = 0; l < g.count; ++l) {
     if (!q.live[l] || q.fast[l]) continue;
     dsum_out[l] = backward_scalar(x + l, dx + l, n, inner,
-                                  kMode == MaskMode::None ? nullptr : keep + l * ms.inner, ms.n,
+                                  kMode == MaskMode::None ? nullptr : keep + l * ms.strides[2], ms.col_stride,
                                   q.g[l], q.m[l], q.mean[l], q.cnt[l], kPGrad, k, out_max);
   }
 }
@@ -1328,7 +1312,7 @@ template <MaskMode kMode, bool kPGrad, typename scalar_t>
 void lanes_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_type<scalar_t>>& k,
                     double* partial) {
   using acc_t = at::opmath_type<scalar_t>;
-  const GemShape s = args.shape;
+  const ReductionLayout s = args.shape;
   const int64_t width = lanes_per_task<acc_t>(s.inner);
   const int64_t per_outer = (s.inner + width - 1) / width;
   const int64_t tasks = s.outer * per_outer;
@@ -1336,7 +1320,7 @@ void lanes_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_typ
   const scalar_t* grad = args.grad.const_data_ptr<scalar_t>();
   const acc_t* stats = args.stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
-  const MaskView mask = mask_view(args.mask);
+  const MaskView mask = layout_mask_view(args.mask);
   const acc_t out_max = largest_finite<scalar_t>();
   const BackwardScalars<acc_t> bs = backward_scalars(k, out_max);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(s.n * width, 1));
@@ -1354,10 +1338,10 @@ void lanes_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_typ
       load_reduction_grads(stats + kGemStats * r0, grad + r0, g.count, kPGrad, k, q);
       const bool* keep = kMode == MaskMode::None
                              ? nullptr
-                             : mask.data + o * mask.stride.outer + i0 * mask.stride.inner;
+                             : mask.data + mask_offset(mask, o, i0);
       const int64_t offset = o * s.n * s.inner + i0;
       lanes_backward_task<kMode, kPGrad>(in + offset, dx_all + offset, keep, s.n, s.inner,
-                                         mask.stride, g, k, q, bs, out_max, stream, dsum);
+                                         mask, g, k, q, bs, out_max, stream, dsum);
       if constexpr (kPGrad) partial[t] = p_grad_sum(q, dsum, g.count, k);
     }
     end_streaming(stream);
@@ -1369,7 +1353,7 @@ void gem_backward_dispatch(const GemBackwardArgs& args,
                            const GemScalars<at::opmath_type<scalar_t>>& k,
                            std::vector<double>& partial) {
   using acc_t = at::opmath_type<scalar_t>;
-  const GemShape s = args.shape;
+  const ReductionLayout s = args.shape;
   const bool masked = args.mask.defined();
   if (s.inner == 1) {
     partial.assign((s.outer + Vec<acc_t>::size() - 1) / Vec<acc_t>::size(), 0.0);

@@ -154,7 +154,7 @@ void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
-  const int64_t rows = args.shape.outer, cols = args.shape.cols;
+  const int64_t rows = args.shape.outer, cols = args.shape.n;
   const MaskView mask = args.mask;
   const scalar_t* in = args.input.const_data_ptr<scalar_t>();
   scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
@@ -298,7 +298,7 @@ template <SoftmaxKind kind, typename scalar_t>
 void backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
-  const int64_t rows = args.shape.outer, cols = args.shape.cols;
+  const int64_t rows = args.shape.outer, cols = args.shape.n;
   const MaskView mask = args.mask;
   const scalar_t* g_all = args.grad.const_data_ptr<scalar_t>();
   const scalar_t* s_all = args.saved.const_data_ptr<scalar_t>();

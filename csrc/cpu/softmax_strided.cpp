@@ -1,6 +1,6 @@
 // CPU kernels of the softmax family over a dimension that is not the last:
 // the contiguous input viewed as [outer, cols, inner] with inner > 1
-// (SoftmaxShape), reduced over cols in place, with no copy of the input or
+// (ReductionLayout), reduced over cols in place, with no copy of the input or
 // the output.
 //
 // Layout. A task is one o and a block of up to `width` consecutive i, its
@@ -57,11 +57,11 @@ constexpr int64_t kGrainElements = 32768;     // work per parallel task group
 // `inner`; `operands` tensors of the block are re-read after the first pass
 // (0: none, the widest block).
 template <typename acc_t>
-int64_t lane_width(const SoftmaxShape& s, int operands) {
+int64_t lane_width(const ReductionLayout& s, int operands) {
   const int64_t vec = Vec<acc_t>::size();
   int64_t width = kMaxWidth;
   if (operands > 0) {
-    const int64_t fit = kSlabBytes / (operands * std::max<int64_t>(s.cols, 1) * sizeof(acc_t));
+    const int64_t fit = kSlabBytes / (operands * std::max<int64_t>(s.n, 1) * sizeof(acc_t));
     width = std::clamp<int64_t>(fit / vec * vec, vec, kMaxWidth);
   }
   return std::min(width, s.inner);
@@ -101,16 +101,16 @@ struct Task {
 };
 
 struct TaskGrid {
-  SoftmaxShape shape;
+  ReductionLayout shape;
   int64_t width;
   int64_t blocks;
 
-  TaskGrid(const SoftmaxShape& s, int64_t lanes_per_task)
+  TaskGrid(const ReductionLayout& s, int64_t lanes_per_task)
       : shape(s), width(lanes_per_task), blocks((s.inner + width - 1) / width) {}
   int64_t count() const { return shape.outer * blocks; }
   // Tasks per parallel grain: about kGrainElements entries.
   int64_t grain() const {
-    return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, shape.cols * width));
+    return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, shape.n * width));
   }
   Task task(int64_t t) const {
     const int64_t o = t / blocks, i0 = (t % blocks) * width;
@@ -195,7 +195,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
   using V = Vec<acc_t>;
   constexpr int64_t vw = V::size();
   constexpr bool same_type = std::is_same_v<scalar_t, acc_t>;
-  const SoftmaxShape s = args.shape;
+  const ReductionLayout s = args.shape;
   const MaskView mask = args.mask;
   const bool masked = mask.data != nullptr;
   const scalar_t* in = args.input.const_data_ptr<scalar_t>();
@@ -203,7 +203,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
   acc_t* stats = args.stats.mutable_data_ptr<acc_t>();
   const TaskGrid grid(s, lane_width<acc_t>(s, kind == SoftmaxKind::LogSumExp ? 0 : 1));
   const int64_t width = grid.width;
-  const int64_t chunks = (s.cols + kSumColumns - 1) / kSumColumns;
+  const int64_t chunks = (s.n + kSumColumns - 1) / kSumColumns;
 
   at::parallel_for(0, grid.count(), grid.grain(), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> row_max(width), row_sum(width);
@@ -211,7 +211,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
     std::vector<uint8_t> special(width);
     // softmax: each chunk's max per lane, and (half types) every exp in float.
     std::vector<acc_t> chunk_maxima(kind == SoftmaxKind::Softmax ? chunks * width : 0);
-    auto exp_slab = scratch_row<acc_t>(s.cols * width, kind == SoftmaxKind::Softmax && !same_type);
+    auto exp_slab = scratch_row<acc_t>(s.n * width, kind == SoftmaxKind::Softmax && !same_type);
 
     for (int64_t index = begin; index < end; ++index) {
       const Task task = grid.task(index);
@@ -237,7 +237,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
           sum[v] = V(acc_t(0));
         }
         for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t j0 = c * kSumColumns, j1 = std::min(s.cols, j0 + kSumColumns);
+          const int64_t j0 = c * kSumColumns, j1 = std::min(s.n, j0 + kSumColumns);
           V cm[kGroupVectors], cs[kGroupVectors], shift[kGroupVectors];
           for (int v = 0; v < kGroupVectors; ++v) cm[v] = V(-nf_inf<acc_t>());
           // The chunk's max per lane; a NaN propagates (such a lane is special).
@@ -290,7 +290,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
         if (!special[l]) continue;
         any_special = true;
         LseState<acc_t> state = lse_empty<acc_t>();
-        for (int64_t j = 0; j < s.cols; ++j) lse_update(state, lane_value<scalar_t, acc_t>(lanes, j, l));
+        for (int64_t j = 0; j < s.n; ++j) lse_update(state, lane_value<scalar_t, acc_t>(lanes, j, l));
         row_max[l] = state.max;
         row_sum[l] = state.sum;
       }
@@ -319,7 +319,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
           // exps * lse_scale(chunk max, max) / sum, chunk by chunk; a chunk lane
           // of only -inf has exps 0 and a -inf chunk max, so it stays 0.
           for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t j0 = c * kSumColumns, j1 = std::min(s.cols, j0 + kSumColumns);
+            const int64_t j0 = c * kSumColumns, j1 = std::min(s.n, j0 + kSumColumns);
             V factor[kGroupVectors];
             for (int v = 0; v < group.vectors; ++v) {
               const V cm = V::loadu(chunk_maxima.data() + c * width + group.first + v * vw,
@@ -337,7 +337,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
           }
         } else {
           // (x - max) - log_sum: a -inf entry (dropped or not) stays -inf.
-          for (int64_t j = 0; j < s.cols; ++j) {
+          for (int64_t j = 0; j < s.n; ++j) {
 #pragma GCC unroll 4
             for (int v = 0; v < kGroupVectors; ++v) {
               if (v >= group.vectors) break;
@@ -354,7 +354,7 @@ NANFREE_HOT_LOOP void forward_kernel(const ForwardArgs& args) {
         if (!special[l]) continue;
         const LseState<acc_t> state{row_max[l], row_sum[l]};
         const acc_t inv_sum = acc_t(1) / state.sum, log_sum = std::log(state.sum);
-        for (int64_t j = 0; j < s.cols; ++j) {
+        for (int64_t j = 0; j < s.n; ++j) {
           const acc_t x = lane_value<scalar_t, acc_t>(lanes, j, l);
           const acc_t y = kind == SoftmaxKind::Softmax ? softmax_value(x, state, inv_sum)
                                                        : log_softmax_value(x, state, log_sum);
@@ -372,7 +372,7 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
   using V = Vec<acc_t>;
   constexpr int64_t vw = V::size();
   constexpr bool log_softmax = kind == SoftmaxKind::LogSoftmax;
-  const SoftmaxShape s = args.shape;
+  const ReductionLayout s = args.shape;
   // softmax's backward takes no mask: a dropped entry's output is 0.
   const MaskView mask = log_softmax ? args.mask : MaskView{};
   const bool masked = mask.data != nullptr;
@@ -399,10 +399,10 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
         V total[kGroupVectors];
         for (int v = 0; v < kGroupVectors; ++v) total[v] = V(acc_t(0));
         // The row sums, in partial sums of kSumColumns columns.
-        for (int64_t j0 = 0; j0 < s.cols; j0 += kSumColumns) {
+        for (int64_t j0 = 0; j0 < s.n; j0 += kSumColumns) {
           V partial[kGroupVectors];
           for (int v = 0; v < kGroupVectors; ++v) partial[v] = V(acc_t(0));
-          for (int64_t j = j0; j < std::min(s.cols, j0 + kSumColumns); ++j) {
+          for (int64_t j = j0; j < std::min(s.n, j0 + kSumColumns); ++j) {
             const int64_t row = j * s.inner + group.first;
 #pragma GCC unroll 4
             for (int v = 0; v < kGroupVectors; ++v) {
@@ -421,7 +421,7 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
           }
           for (int v = 0; v < kGroupVectors; ++v) total[v] = total[v] + partial[v];
         }
-        for (int64_t j = 0; j < s.cols; ++j) {
+        for (int64_t j = 0; j < s.n; ++j) {
           const int64_t row = j * s.inner + group.first;
 #pragma GCC unroll 4
           for (int v = 0; v < kGroupVectors; ++v) {
@@ -454,10 +454,10 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
                                   stats[stats_offset(s, task.o, 1, task.i0 + l)]};
         if (!row_has_gradient(row)) {
           // An empty or +inf row passes no gradient.
-          for (int64_t j = 0; j < s.cols; ++j) dx_base[j * s.inner + l] = scalar_t(0);
+          for (int64_t j = 0; j < s.n; ++j) dx_base[j * s.inner + l] = scalar_t(0);
         } else if (log_softmax && std::isnan(row.log_sum)) {
           // exp_u20 would turn the NaN outputs of a NaN row into numbers.
-          for (int64_t j = 0; j < s.cols; ++j) {
+          for (int64_t j = 0; j < s.n; ++j) {
             const acc_t g = static_cast<acc_t>(g_base[j * s.inner + l]);
             const acc_t y = static_cast<acc_t>(y_base[j * s.inner + l]);
             dx_base[j * s.inner + l] =
@@ -474,7 +474,7 @@ NANFREE_HOT_LOOP void logsumexp_backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
   constexpr int64_t vw = V::size();
-  const SoftmaxShape s = args.shape;
+  const ReductionLayout s = args.shape;
   const MaskView mask = args.mask;
   const bool masked = mask.data != nullptr;
   const scalar_t* g_all = args.grad.const_data_ptr<scalar_t>();
@@ -507,7 +507,7 @@ NANFREE_HOT_LOOP void logsumexp_backward_kernel(const BackwardArgs& args) {
           max_v[v] = V::loadu(row_max.data() + l, k);
           log_sum_v[v] = V::loadu(log_sum.data() + l, k);
         }
-        for (int64_t j = 0; j < s.cols; ++j) {
+        for (int64_t j = 0; j < s.n; ++j) {
           const int64_t row = j * s.inner + group.first;
 #pragma GCC unroll 4
           for (int v = 0; v < kGroupVectors; ++v) {
@@ -530,7 +530,7 @@ NANFREE_HOT_LOOP void logsumexp_backward_kernel(const BackwardArgs& args) {
         // Rows without gradient get 0; a NaN row takes the shared rule
         // (exp_u20 would turn its NaN into a number).
         if (row_has_gradient(row) && !std::isnan(row.log_sum)) continue;
-        for (int64_t j = 0; j < s.cols; ++j) {
+        for (int64_t j = 0; j < s.n; ++j) {
           const acc_t x = static_cast<acc_t>(x_base[j * s.inner + l]);
           const acc_t d = row_has_gradient(row)
                               ? logsumexp_grad_value(g[l], x, row, x_lanes.keep(j, l))

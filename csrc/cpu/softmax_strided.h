@@ -1,5 +1,5 @@
 // CPU kernels of the softmax family for a reduced dimension that is not the
-// last (SoftmaxShape with inner > 1), in place: softmax_strided.cpp.
+// last (ReductionLayout with inner > 1), in place: softmax_strided.cpp.
 #pragma once
 
 #include "common/softmax_op.h"

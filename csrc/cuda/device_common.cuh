@@ -1,10 +1,10 @@
-// Device helpers shared by the CUDA kernels of every op family (softmax:
-// softmax_kernels.cu and softmax_strided_kernels.cu through
-// softmax_kernels_common.cuh; cosine: cosine_kernels.cu): launch limits,
-// element conversion to and from the accumulation type, 16-byte vector
-// access, group reductions, and host helpers of launch planning. Torch-free;
-// included by nvcc only. No special-value rule lives here: those are in
-// nanfree/*.h.
+// Device helpers shared by the CUDA kernels of every op family
+// (<family>_kernels.cu; softmax's two files also through
+// softmax_kernels_common.cuh): launch limits, element conversion to and from
+// the accumulation type, 16-byte vector access, group reductions, the grid
+// stride of reductions over an inner dimension, and host helpers of launch
+// planning. Torch-free; included by nvcc (and the emulated CUDA build) only.
+// No special-value rule lives here: those are in nanfree/*.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -179,6 +179,48 @@ __device__ __forceinline__ void group_reduce(T (&v)[N], int G, T* partial, Op op
 }
 
 // ---------------------------------------------------------------------------
+// Reductions over a dimension other than the last (inner > 1 in the
+// [outer, n, inner] layout of nanfree/layout.h): a block holds bx consecutive
+// reductions (threadIdx.x, coalesced along inner) times by slices of each
+// (threadIdx.y), and walks over tiles of bx reductions with a grid stride.
+
+// A grid stride of reductions (gridDim.x * blockDim.x) and its (o, i) steps:
+// reductions == o * inner + i with i < inner. Computed on the host
+// (strided_grid), so that a thread moves from tile to tile without a 64-bit
+// division (a subroutine call, around which registers are spilled).
+struct GridStride {
+  int64_t reductions;
+  int64_t o;
+  int64_t i;
+};
+
+// The reduction a thread holds in the current tile: r = tile * blockDim.x +
+// threadIdx.x = o * inner + i. Past the last reduction (the last tile may
+// reach beyond outer * inner), o and i are meaningless and never used.
+struct ReductionCursor {
+  int64_t r;
+  int64_t o;
+  int64_t i;
+};
+
+__device__ __forceinline__ ReductionCursor first_reduction(int64_t inner) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t o = r / inner;
+  return ReductionCursor{r, o, r - o * inner};
+}
+
+__device__ __forceinline__ void next_reduction(ReductionCursor& c, const GridStride& stride,
+                                               int64_t inner) {
+  c.r += stride.reductions;
+  c.o += stride.o;
+  c.i += stride.i;
+  if (c.i >= inner) {  // i + stride.i < 2 inner: one carry at most
+    c.i -= inner;
+    ++c.o;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Host helpers of launch planning and template dispatch.
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -236,6 +278,36 @@ Plan elementwise_plan(int64_t rows, int64_t cols, bool vec) {
   Plan p{vec, 0, 1, 0, 0};
   p.group = nvec >= kMaxThreads ? kMaxThreads : next_pow2(nvec);
   return finish_plan(p, rows);
+}
+
+// The fewest reductions a strided block holds: a warp's lanes cover at least
+// one run of the inner consecutive reductions.
+inline int strided_min_width(int64_t inner) { return inner < kWarp ? next_pow2(inner) : kWarp; }
+
+// Slices per reduction (blockDim.y) of a strided launch of at most
+// `block_threads` threads per block: doubled while the reductions times the
+// slices leave the GPU short of `target_threads` and each slice keeps at least
+// `min_entries` of the n entries (fewer would make the merges cost more than
+// the entries).
+inline int strided_slices(int64_t reductions, int64_t n, int64_t inner, int block_threads,
+                          int64_t target_threads, int64_t min_entries) {
+  const int by_max = block_threads / strided_min_width(inner);
+  int by = 1;
+  while (by < by_max && reductions * by < target_threads && n >= 2 * by * min_entries) by *= 2;
+  return by;
+}
+
+// The blocks of a strided launch of tiles of bx reductions, and its grid stride.
+struct StridedGrid {
+  int blocks;
+  GridStride stride;
+};
+
+inline StridedGrid strided_grid(int64_t reductions, int64_t inner, int bx) {
+  const int64_t tiles = ceil_div(reductions, bx);
+  const int blocks = static_cast<int>(tiles < kMaxBlocks ? tiles : kMaxBlocks);
+  const int64_t step = static_cast<int64_t>(blocks) * bx;
+  return StridedGrid{blocks, GridStride{step, step / inner, step % inner}};
 }
 
 // launch(std::integral_constant<int, kVec>) with kVec the 16-byte vector width, or 1.

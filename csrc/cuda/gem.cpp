@@ -21,17 +21,6 @@
 namespace nanfree {
 namespace {
 
-gpu::GemLayout layout_of(const GemShape& shape) {
-  return gpu::GemLayout{shape.outer, shape.n, shape.inner};
-}
-
-// The mask's data and strides (any strides, 0 for broadcast dims); no data without a mask.
-gpu::GemMaskView mask_view(const at::Tensor& mask) {
-  if (!mask.defined()) return gpu::GemMaskView{nullptr, 0, 0, 0};
-  const GemMaskStrides strides = gem_mask_strides(mask);
-  return gpu::GemMaskView{mask.const_data_ptr<bool>(), strides.outer, strides.n, strides.inner};
-}
-
 // The tensor p (accumulation dtype, 0-d) as a device pointer, nullptr for a Python p.
 template <typename acc_t>
 const acc_t* p_pointer(const at::Tensor& p) {
@@ -50,8 +39,8 @@ std::tuple<at::Tensor, at::Tensor> gem(const at::Tensor& input, const std::optio
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.input.scalar_type(),
                                   "nanfree_gem_cuda", [&] {
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
-    NANFREE_CUDA_CHECK(gpu::gem_forward(device_ptr<scalar_t>(args.input), layout_of(args.shape),
-                                        mask_view(args.mask), p_pointer<acc_t>(args.p),
+    NANFREE_CUDA_CHECK(gpu::gem_forward(device_ptr<scalar_t>(args.input), args.shape,
+                                        layout_mask_view(args.mask), p_pointer<acc_t>(args.p),
                                         args.p_value, args.eps,
                                         mutable_device_ptr<scalar_t>(args.output),
                                         args.stats.mutable_data_ptr<acc_t>(), stream));
@@ -79,8 +68,8 @@ std::tuple<at::Tensor, at::Tensor> gem_backward(const at::Tensor& grad, const at
     using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
     acc_t* p_grad_terms = args.p_grad ? terms.mutable_data_ptr<acc_t>() : nullptr;
     NANFREE_CUDA_CHECK(gpu::gem_backward(
-        device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.input), layout_of(args.shape),
-        mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
+        device_ptr<scalar_t>(args.grad), device_ptr<scalar_t>(args.input), args.shape,
+        layout_mask_view(args.mask), p_pointer<acc_t>(args.p), args.p_value,
         args.stats.const_data_ptr<acc_t>(), args.eps,
         mutable_device_ptr<scalar_t>(args.grad_input), p_grad_terms, stream));
     if (args.p_grad) {

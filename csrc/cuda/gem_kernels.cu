@@ -326,7 +326,7 @@ __device__ __forceinline__ acc_t reduction_p_grad(const BackwardReduction<acc_t>
 
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kMaxThreads)
-    row_forward_kernel(const scalar_t* __restrict__ input, GemMaskView mask,
+    row_forward_kernel(const scalar_t* __restrict__ input, MaskView mask,
                        const acc_of_t<scalar_t>* __restrict__ p_tensor,
                        acc_of_t<scalar_t> p_value, acc_of_t<scalar_t> eps,
                        scalar_t* __restrict__ output, acc_of_t<scalar_t>* __restrict__ stats,
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int64_t row = base + group;
     const bool active = row < rows;
     const scalar_t* x_row = input + (active ? row : 0) * n;
-    const bool* mask_row = masked ? mask.data + (active ? row : 0) * mask.stride_outer : nullptr;
+    const bool* mask_row = masked ? mask.data + mask_offset(mask, active ? row : 0, 0) : nullptr;
 
     // Pass 1: the clamped entries into the slots, their maximum and count.
     // The thread's vectors vi = it * G + t increase with it: the first past
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       acc_t v[kVec];
       bool keep[kVec];
       load_acc<kVec>(x_row + vi * kVec, v);
-      load_keep<kVec>(masked ? mask_row + vi * kVec * mask.stride_n : nullptr, mask.stride_n,
+      load_keep<kVec>(masked ? mask_row + vi * kVec * mask.col_stride : nullptr, mask.col_stride,
                       keep);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMaxThreads)
-    long_row_forward_kernel(const scalar_t* __restrict__ input, GemMaskView mask,
+    long_row_forward_kernel(const scalar_t* __restrict__ input, MaskView mask,
                             const acc_of_t<scalar_t>* __restrict__ p_tensor,
                             acc_of_t<scalar_t> p_value, acc_of_t<scalar_t> eps,
                             scalar_t* __restrict__ output, acc_of_t<scalar_t>* __restrict__ stats,
@@ -418,12 +418,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int G = blockDim.x;  // the whole block: kMaxThreads
   const int t = threadIdx.x;
   const bool masked = mask.data != nullptr;
-  const int64_t mstride = mask.stride_n;
+  const int64_t mstride = mask.col_stride;
 
   // `row` is the same for the whole block: every thread reaches every __syncthreads.
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const scalar_t* x_row = input + row * n;
-    const bool* mask_row = masked ? mask.data + row * mask.stride_outer : nullptr;
+    const bool* mask_row = masked ? mask.data + mask_offset(mask, row, 0) : nullptr;
     acc_t m = acc_t(0), s = acc_t(0);
     long long kept = 0;
     int64_t j = t;
@@ -476,47 +476,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------
 // inner > 1: one reduction per thread, slices of its n entries.
 
-// A grid stride of reductions (gridDim.x * blockDim.x) and its (o, i) steps,
-// computed on the host so that a thread moves from tile to tile without a
-// 64-bit division (a subroutine call).
-struct GridStride {
-  int64_t reductions;
-  int64_t o;
-  int64_t i;
-};
-
-// The reduction r = o * inner + i a thread holds; past the last reduction (the
-// last tile may reach beyond outer * inner) o and i are never used.
-struct Cursor {
-  int64_t r;
-  int64_t o;
-  int64_t i;
-};
-
-__device__ __forceinline__ Cursor first_reduction(int64_t inner) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t o = r / inner;
-  return Cursor{r, o, r - o * inner};
-}
-
-__device__ __forceinline__ void next_reduction(Cursor& c, const GridStride& stride,
-                                               int64_t inner) {
-  c.r += stride.reductions;
-  c.o += stride.o;
-  c.i += stride.i;
-  if (c.i >= inner) {  // i + stride.i < 2 inner: one carry at most
-    c.i -= inner;
-    ++c.o;
-  }
-}
-
 template <typename scalar_t>
 __global__ void __launch_bounds__(kStridedThreads)
-    strided_forward_kernel(const scalar_t* __restrict__ input, GemMaskView mask,
+    strided_forward_kernel(const scalar_t* __restrict__ input, MaskView mask,
                            const acc_of_t<scalar_t>* __restrict__ p_tensor,
                            acc_of_t<scalar_t> p_value, acc_of_t<scalar_t> eps,
                            scalar_t* __restrict__ output, acc_of_t<scalar_t>* __restrict__ stats,
-                           GemLayout layout, GridStride stride) {
+                           ReductionLayout layout, GridStride stride) {
   using acc_t = acc_of_t<scalar_t>;
   __shared__ acc_t slot_m[kStridedThreads];
   __shared__ acc_t slot_s[kStridedThreads];
@@ -531,11 +497,11 @@ __global__ void __launch_bounds__(kStridedThreads)
   const int64_t reductions = layout.outer * inner;
   const bool masked = mask.data != nullptr;
   const int64_t x_step = by * inner;  // between a slice's consecutive entries
-  const int64_t mask_step = by * mask.stride_n;
+  const int64_t mask_step = by * mask.col_stride;
 
   // `first` (the tile's first reduction) is the same for the whole block, so
   // every thread runs every iteration and reaches every __syncthreads.
-  Cursor cur = first_reduction(inner);
+  ReductionCursor cur = first_reduction(inner);
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * bx; first < reductions;
        first += stride.reductions, next_reduction(cur, stride, inner)) {
     const bool active = cur.r < reductions;
@@ -545,8 +511,8 @@ __global__ void __launch_bounds__(kStridedThreads)
       // The slice's entries j = slice, slice + by, ...: x_step elements
       // apart, their mask bytes mask_step apart.
       const scalar_t* x = input + (cur.o * n + slice) * inner + cur.i;
-      const bool* mk = masked ? mask.data + cur.o * mask.stride_outer +
-                                    slice * mask.stride_n + cur.i * mask.stride_inner
+      const bool* mk = masked ? mask.data + mask_offset(mask, cur.o, cur.i) +
+                                    slice * mask.col_stride
                               : nullptr;
       int64_t j = slice;
       for (; j + (kBatch - 1) * static_cast<int64_t>(by) < n; j += kBatch * by) {
@@ -604,7 +570,7 @@ __global__ void __launch_bounds__(kStridedThreads)
 template <typename scalar_t, bool kPGrad>
 __global__ void __launch_bounds__(kMaxThreads)
     row_backward_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ input,
-                        GemMaskView mask, const acc_of_t<scalar_t>* __restrict__ p_tensor,
+                        MaskView mask, const acc_of_t<scalar_t>* __restrict__ p_tensor,
                         acc_of_t<scalar_t> p_value, const acc_of_t<scalar_t>* __restrict__ stats,
                         acc_of_t<scalar_t> eps, scalar_t* __restrict__ grad_input,
                         acc_of_t<scalar_t>* __restrict__ p_grad_terms, int64_t rows, int64_t n, int G) {
@@ -616,7 +582,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int group = threadIdx.x / G;
   const int t = threadIdx.x % G;
   const bool masked = mask.data != nullptr;
-  const int64_t mstride = mask.stride_n;
+  const int64_t mstride = mask.col_stride;
 
   // `base` is the same for the whole block (group_reduce, below).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups; base < rows;
@@ -629,7 +595,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (active) {
       const scalar_t* x_row = input + row * n;
       scalar_t* d_row = grad_input + row * n;
-      const bool* mask_row = masked ? mask.data + row * mask.stride_outer : nullptr;
+      const bool* mask_row = masked ? mask.data + mask_offset(mask, row, 0) : nullptr;
       if (b.live) {
 #pragma unroll 2
         for (int64_t j = t; j < n; j += G) {
@@ -657,11 +623,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 template <typename scalar_t, bool kPGrad>
 __global__ void __launch_bounds__(kStridedThreads)
     strided_backward_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ input,
-                            GemMaskView mask, const acc_of_t<scalar_t>* __restrict__ p_tensor,
+                            MaskView mask, const acc_of_t<scalar_t>* __restrict__ p_tensor,
                             acc_of_t<scalar_t> p_value,
                             const acc_of_t<scalar_t>* __restrict__ stats, acc_of_t<scalar_t> eps,
                             scalar_t* __restrict__ grad_input,
-                            acc_of_t<scalar_t>* __restrict__ p_grad_terms, GemLayout layout,
+                            acc_of_t<scalar_t>* __restrict__ p_grad_terms, ReductionLayout layout,
                             GridStride stride) {
   using acc_t = acc_of_t<scalar_t>;
   __shared__ acc_t slot[kPGrad ? kStridedThreads : 1];
@@ -676,10 +642,10 @@ __global__ void __launch_bounds__(kStridedThreads)
   const int64_t reductions = layout.outer * inner;
   const bool masked = mask.data != nullptr;
   const int64_t x_step = by * inner;
-  const int64_t mask_step = by * mask.stride_n;
+  const int64_t mask_step = by * mask.col_stride;
 
   // `first` is the same for the whole block (the slices' tree synchronizes it).
-  Cursor cur = first_reduction(inner);
+  ReductionCursor cur = first_reduction(inner);
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * bx; first < reductions;
        first += stride.reductions, next_reduction(cur, stride, inner)) {
     const bool active = cur.r < reductions;
@@ -693,8 +659,8 @@ __global__ void __launch_bounds__(kStridedThreads)
       const scalar_t* x = input + offset;
       scalar_t* d = grad_input + offset;
       if (b.live) {
-        const bool* mk = masked ? mask.data + cur.o * mask.stride_outer +
-                                      slice * mask.stride_n + cur.i * mask.stride_inner
+        const bool* mk = masked ? mask.data + mask_offset(mask, cur.o, cur.i) +
+                                      slice * mask.col_stride
                                 : nullptr;
 #pragma unroll 2
         for (int64_t j = slice; j < n; j += by) {
@@ -781,24 +747,14 @@ RowPlan row_plan(int64_t rows, int64_t n, bool vec) {
 struct StridedPlan {
   int bx;
   int by;
-  int blocks;
-  GridStride stride;
+  StridedGrid grid;
 };
 
-inline StridedPlan strided_plan(const GemLayout& layout) {
-  const int64_t reductions = layout.outer * layout.inner;
-  // A warp's lanes cover at least one run of the inner consecutive reductions.
-  const int bx_min = layout.inner < kWarp ? next_pow2(layout.inner) : kWarp;
-  const int by_max = kStridedThreads / bx_min;
-  int by = 1;
-  while (by < by_max && reductions * by < kStridedTargetThreads &&
-         layout.n >= 2 * by * kMinEntriesPerSlice)
-    by *= 2;
+inline StridedPlan strided_plan(const ReductionLayout& layout) {
+  const int by = strided_slices(layout.reductions(), layout.n, layout.inner, kStridedThreads,
+                                kStridedTargetThreads, kMinEntriesPerSlice);
   const int bx = kStridedThreads / by;
-  const int64_t tiles = ceil_div(reductions, bx);
-  const int blocks = static_cast<int>(tiles < kMaxBlocks ? tiles : kMaxBlocks);
-  const int64_t step = static_cast<int64_t>(blocks) * bx;
-  return StridedPlan{bx, by, blocks, GridStride{step, step / layout.inner, step % layout.inner}};
+  return StridedPlan{bx, by, strided_grid(layout.reductions(), layout.inner, bx)};
 }
 
 template <typename F>
@@ -810,7 +766,7 @@ cudaError_t dispatch_bool(bool flag, F&& launch) {
 }  // namespace
 
 template <typename scalar_t>
-cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mask,
+cudaError_t gem_forward(const scalar_t* input, ReductionLayout layout, MaskView mask,
                         const acc_of_t<scalar_t>* p_tensor, double p_value, double eps,
                         scalar_t* output, acc_of_t<scalar_t>* stats, cudaStream_t stream) {
   using acc_t = acc_of_t<scalar_t>;
@@ -820,8 +776,8 @@ cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mas
   const acc_t p_acc = static_cast<acc_t>(p_value);
   if (layout.inner > 1) {
     const StridedPlan plan = strided_plan(layout);
-    strided_forward_kernel<scalar_t><<<plan.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
-        input, mask, p_tensor, p_acc, eps_acc, output, stats, layout, plan.stride);
+    strided_forward_kernel<scalar_t><<<plan.grid.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
+        input, mask, p_tensor, p_acc, eps_acc, output, stats, layout, plan.grid.stride);
     return cudaGetLastError();
   }
   const bool vec = layout.n % vec_width<scalar_t>() == 0 && aligned16(input);
@@ -845,8 +801,8 @@ cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mas
 }
 
 template <typename scalar_t>
-cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout layout,
-                         GemMaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
+cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, ReductionLayout layout,
+                         MaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
                          const acc_of_t<scalar_t>* stats, double eps, scalar_t* grad_input,
                          acc_of_t<scalar_t>* p_grad_terms, cudaStream_t stream) {
   using acc_t = acc_of_t<scalar_t>;
@@ -860,9 +816,9 @@ cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout 
     if (layout.inner > 1) {
       const StridedPlan plan = strided_plan(layout);
       strided_backward_kernel<scalar_t, kPGrad>
-          <<<plan.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
+          <<<plan.grid.blocks, dim3(plan.bx, plan.by), 0, stream>>>(
               grad, input, mask, p_tensor, p_acc, stats, eps_acc, grad_input, p_grad_terms, layout,
-              plan.stride);
+              plan.grid.stride);
     } else {
       // The group of the forward's plan for scalar loads (the backward streams).
       const RowPlan plan = row_plan<scalar_t>(layout.outer, layout.n, false);

@@ -25,31 +25,15 @@
 #include <cstdint>
 
 #include "cuda/device_types.h"
+#include "nanfree/layout.h"
 
 namespace nanfree {
 namespace gpu {
 
-// The [outer, n, inner] view of the input.
-struct GemLayout {
-  int64_t outer;
-  int64_t n;
-  int64_t inner;
-};
-
-// A bool mask of the input's shape (true = keep) with any strides, in
-// elements, of its [outer, n, inner] view (0 for a broadcast dimension);
-// data == nullptr: no mask.
-struct GemMaskView {
-  const bool* data;
-  int64_t stride_outer;
-  int64_t stride_n;
-  int64_t stride_inner;
-};
-
 // output [outer, inner] (the input's type) and stats [outer, inner, 3].
 // n == 0 is valid: every reduction is empty (output 0, stats (0, 0, 0)).
 template <typename scalar_t>
-cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mask,
+cudaError_t gem_forward(const scalar_t* input, ReductionLayout layout, MaskView mask,
                         const acc_of_t<scalar_t>* p_tensor, double p_value, double eps,
                         scalar_t* output, acc_of_t<scalar_t>* stats, cudaStream_t stream);
 
@@ -60,17 +44,17 @@ cudaError_t gem_forward(const scalar_t* input, GemLayout layout, GemMaskView mas
 // their sum, which the caller takes (gem_p_grad_total). With n == 0 nothing
 // is launched and p_grad_terms is left as it is (every term is 0 then).
 template <typename scalar_t>
-cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, GemLayout layout,
-                         GemMaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
+cudaError_t gem_backward(const scalar_t* grad, const scalar_t* input, ReductionLayout layout,
+                         MaskView mask, const acc_of_t<scalar_t>* p_tensor, double p_value,
                          const acc_of_t<scalar_t>* stats, double eps, scalar_t* grad_input,
                          acc_of_t<scalar_t>* p_grad_terms, cudaStream_t stream);
 
 // Defined and instantiated in gem_kernels.cu for these element types.
 #define NANFREE_GEM_LAUNCHERS(PREFIX, T)                                                          \
-  PREFIX template cudaError_t gem_forward<T>(const T*, GemLayout, GemMaskView,                    \
+  PREFIX template cudaError_t gem_forward<T>(const T*, ReductionLayout, MaskView,                    \
                                              const acc_of_t<T>*, double, double, T*, acc_of_t<T>*, \
                                              cudaStream_t);                                       \
-  PREFIX template cudaError_t gem_backward<T>(const T*, const T*, GemLayout, GemMaskView,         \
+  PREFIX template cudaError_t gem_backward<T>(const T*, const T*, ReductionLayout, MaskView,         \
                                               const acc_of_t<T>*, double, const acc_of_t<T>*,     \
                                               double, T*, acc_of_t<T>*, cudaStream_t);
 NANFREE_GEM_LAUNCHERS(extern, float)

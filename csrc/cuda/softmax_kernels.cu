@@ -1,5 +1,5 @@
 // CUDA kernels of the softmax family over the last dimension (a
-// SoftmaxShape with inner == 1: a row-major [rows, cols] problem with rows =
+// ReductionLayout with inner == 1: a row-major [rows, cols] problem with rows =
 // outer), and the launchers of softmax_kernels.h, which hand inner > 1 to the
 // strided kernels of softmax_strided_kernels.cu. No torch header: only CUDA
 // and nanfree/*.h, so this file compiles without ATen. Every special-value
@@ -351,13 +351,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <typename scalar_t>
 cudaError_t softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* output,
-                            acc_of_t<scalar_t>* stats, SoftmaxShape shape, MaskView mask,
+                            acc_of_t<scalar_t>* stats, ReductionLayout shape, MaskView mask,
                             cudaStream_t stream) {
   if (shape.outer <= 0 || shape.inner <= 0) return cudaSuccess;
   if (shape.inner > 1)
     return strided_softmax_forward(kind, input, output, stats, shape, mask, stream);
   const int64_t rows = shape.outer;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   const bool vec = cols % vec_width<scalar_t>() == 0 && aligned16(input) &&
                    (kind == SoftmaxKind::LogSumExp || aligned16(output));
   const Plan p = reduction_plan<scalar_t>(rows, cols, vec, max_cached_iters<scalar_t>(vec ? vec_width<scalar_t>() : 1, kForwardOperands));
@@ -376,13 +376,13 @@ cudaError_t softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* o
 template <typename scalar_t>
 cudaError_t softmax_backward(SoftmaxKind kind, const scalar_t* grad, const scalar_t* output,
                              const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                             SoftmaxShape shape, MaskView mask, cudaStream_t stream) {
+                             ReductionLayout shape, MaskView mask, cudaStream_t stream) {
   if (kind == SoftmaxKind::LogSumExp) return cudaErrorInvalidValue;
-  if (shape.outer <= 0 || shape.inner <= 0 || shape.cols <= 0) return cudaSuccess;
+  if (shape.outer <= 0 || shape.inner <= 0 || shape.n <= 0) return cudaSuccess;
   if (shape.inner > 1)
     return strided_softmax_backward(kind, grad, output, stats, grad_input, shape, mask, stream);
   const int64_t rows = shape.outer;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   // The softmax backward has no mask: dropped entries have output 0.
   if (kind == SoftmaxKind::Softmax) mask.data = nullptr;
   const bool vec = cols % vec_width<scalar_t>() == 0 && aligned16(grad) && aligned16(output) &&
@@ -403,12 +403,12 @@ cudaError_t softmax_backward(SoftmaxKind kind, const scalar_t* grad, const scala
 template <typename scalar_t>
 cudaError_t logsumexp_backward(const scalar_t* grad, const scalar_t* input,
                                const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                               SoftmaxShape shape, MaskView mask, cudaStream_t stream) {
-  if (shape.outer <= 0 || shape.inner <= 0 || shape.cols <= 0) return cudaSuccess;
+                               ReductionLayout shape, MaskView mask, cudaStream_t stream) {
+  if (shape.outer <= 0 || shape.inner <= 0 || shape.n <= 0) return cudaSuccess;
   if (shape.inner > 1)
     return strided_logsumexp_backward(grad, input, stats, grad_input, shape, mask, stream);
   const int64_t rows = shape.outer;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   const bool vec =
       cols % vec_width<scalar_t>() == 0 && aligned16(input) && aligned16(grad_input);
   const Plan p = elementwise_plan<scalar_t>(rows, cols, vec);

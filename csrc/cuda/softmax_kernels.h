@@ -1,5 +1,5 @@
 // Launchers of the CUDA kernels of the softmax family (one dimension of a
-// contiguous tensor viewed as [outer, cols, inner]: SoftmaxShape in
+// contiguous tensor viewed as [outer, cols, inner]: ReductionLayout in
 // nanfree/softmax_math.h; inner == 1 is the last dimension, inner > 1 is
 // reduced in place by the strided kernels of softmax_strided_kernels.cu).
 // Torch-free: plain C++ and CUDA runtime types, so the kernel files compile
@@ -33,7 +33,7 @@ namespace gpu {
 // logsumexp -inf.
 template <typename scalar_t>
 cudaError_t softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* output,
-                            acc_of_t<scalar_t>* stats, SoftmaxShape shape, MaskView mask,
+                            acc_of_t<scalar_t>* stats, ReductionLayout shape, MaskView mask,
                             cudaStream_t stream);
 
 // Backward of softmax (kind Softmax; the mask is ignored, as dropped entries
@@ -42,24 +42,24 @@ cudaError_t softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* o
 template <typename scalar_t>
 cudaError_t softmax_backward(SoftmaxKind kind, const scalar_t* grad, const scalar_t* output,
                              const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                             SoftmaxShape shape, MaskView mask, cudaStream_t stream);
+                             ReductionLayout shape, MaskView mask, cudaStream_t stream);
 
 // Backward of logsumexp: grad is [outer, inner], input and grad_input have the
 // input's shape.
 template <typename scalar_t>
 cudaError_t logsumexp_backward(const scalar_t* grad, const scalar_t* input,
                                const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                               SoftmaxShape shape, MaskView mask, cudaStream_t stream);
+                               ReductionLayout shape, MaskView mask, cudaStream_t stream);
 
 // Defined and instantiated in softmax_kernels.cu for these element types.
 #define NANFREE_SOFTMAX_LAUNCHERS(PREFIX, T)                                                    \
   PREFIX template cudaError_t softmax_forward<T>(SoftmaxKind, const T*, T*, acc_of_t<T>*,       \
-                                                 SoftmaxShape, MaskView, cudaStream_t);         \
+                                                 ReductionLayout, MaskView, cudaStream_t);         \
   PREFIX template cudaError_t softmax_backward<T>(SoftmaxKind, const T*, const T*,              \
-                                                  const acc_of_t<T>*, T*, SoftmaxShape,         \
+                                                  const acc_of_t<T>*, T*, ReductionLayout,         \
                                                   MaskView, cudaStream_t);                      \
   PREFIX template cudaError_t logsumexp_backward<T>(const T*, const T*, const acc_of_t<T>*, T*, \
-                                                    SoftmaxShape, MaskView, cudaStream_t);
+                                                    ReductionLayout, MaskView, cudaStream_t);
 NANFREE_SOFTMAX_LAUNCHERS(extern, float)
 NANFREE_SOFTMAX_LAUNCHERS(extern, double)
 NANFREE_SOFTMAX_LAUNCHERS(extern, __half)

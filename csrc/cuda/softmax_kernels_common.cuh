@@ -158,29 +158,29 @@ __device__ __forceinline__ acc_t backward_partial(int kind, const acc_t (&g)[N],
 // logsumexp_backward in softmax_kernels.h (which call them).
 template <typename scalar_t>
 cudaError_t strided_softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* output,
-                                    acc_of_t<scalar_t>* stats, SoftmaxShape shape, MaskView mask,
+                                    acc_of_t<scalar_t>* stats, ReductionLayout shape, MaskView mask,
                                     cudaStream_t stream);
 
 template <typename scalar_t>
 cudaError_t strided_softmax_backward(SoftmaxKind kind, const scalar_t* grad,
                                      const scalar_t* output, const acc_of_t<scalar_t>* stats,
-                                     scalar_t* grad_input, SoftmaxShape shape, MaskView mask,
+                                     scalar_t* grad_input, ReductionLayout shape, MaskView mask,
                                      cudaStream_t stream);
 
 template <typename scalar_t>
 cudaError_t strided_logsumexp_backward(const scalar_t* grad, const scalar_t* input,
                                        const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                                       SoftmaxShape shape, MaskView mask, cudaStream_t stream);
+                                       ReductionLayout shape, MaskView mask, cudaStream_t stream);
 
 #define NANFREE_STRIDED_SOFTMAX_LAUNCHERS(PREFIX, T)                                              \
   PREFIX template cudaError_t strided_softmax_forward<T>(SoftmaxKind, const T*, T*,               \
-                                                         acc_of_t<T>*, SoftmaxShape, MaskView,    \
+                                                         acc_of_t<T>*, ReductionLayout, MaskView,    \
                                                          cudaStream_t);                           \
   PREFIX template cudaError_t strided_softmax_backward<T>(SoftmaxKind, const T*, const T*,        \
-                                                          const acc_of_t<T>*, T*, SoftmaxShape,   \
+                                                          const acc_of_t<T>*, T*, ReductionLayout,   \
                                                           MaskView, cudaStream_t);                \
   PREFIX template cudaError_t strided_logsumexp_backward<T>(const T*, const T*,                   \
-                                                            const acc_of_t<T>*, T*, SoftmaxShape, \
+                                                            const acc_of_t<T>*, T*, ReductionLayout, \
                                                             MaskView, cudaStream_t);
 NANFREE_STRIDED_SOFTMAX_LAUNCHERS(extern, float)
 NANFREE_STRIDED_SOFTMAX_LAUNCHERS(extern, double)

@@ -1,6 +1,6 @@
 // CUDA kernels of the softmax family that reduce over a dimension other than
 // the last, in place: a contiguous tensor viewed as [outer, cols, inner] with
-// inner > 1 (SoftmaxShape in nanfree/softmax_math.h). Row r = o * inner + i
+// inner > 1 (ReductionLayout in nanfree/softmax_math.h). Row r = o * inner + i
 // holds the entries (o, j, i), j in [0, cols), at element offsets
 // entry_offset(o, j, i) = (o * cols + j) * inner + i: inner elements apart, so
 // nothing is copied to bring the reduced dimension last. The logsumexp output
@@ -83,41 +83,6 @@ constexpr int kBlockThreads = 256;
 // ---------------------------------------------------------------------------
 // Rows, entries and the reduction over a row's slices.
 
-// A grid stride of rows (gridDim.x * blockDim.x) and its (o, i) steps:
-// rows == o * inner + i with i < inner. Computed on the host, so that a
-// thread moves from tile to tile without a 64-bit division (a subroutine call,
-// around which registers are spilled).
-struct GridStride {
-  int64_t rows;
-  int64_t o;
-  int64_t i;
-};
-
-// The row a thread holds in the current tile: row = tile * blockDim.x +
-// threadIdx.x = o * inner + i. Past the last row (the last tile may reach
-// beyond outer * inner), o and i are meaningless and never used.
-struct RowCursor {
-  int64_t row;
-  int64_t o;
-  int64_t i;
-};
-
-__device__ __forceinline__ RowCursor first_row(int64_t inner) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t o = row / inner;
-  return RowCursor{row, o, row - o * inner};
-}
-
-__device__ __forceinline__ void next_row(RowCursor& c, const GridStride& stride, int64_t inner) {
-  c.row += stride.rows;
-  c.o += stride.o;
-  c.i += stride.i;
-  if (c.i >= inner) {  // i + stride.i < 2 inner: one carry at most
-    c.i -= inner;
-    ++c.o;
-  }
-}
-
 // The value softmax sees at entry j of a row (x_row: its entry 0): a dropped
 // entry is -inf, whatever it holds.
 template <typename scalar_t>
@@ -192,28 +157,28 @@ __device__ __forceinline__ T combine_slices(T value, T* slots, Combine combine) 
 template <typename scalar_t, int kIters>
 __global__ void __launch_bounds__(kMaxThreads)
     strided_forward_kernel(const scalar_t* __restrict__ input, scalar_t* __restrict__ output,
-                           acc_of_t<scalar_t>* __restrict__ stats, SoftmaxShape shape,
+                           acc_of_t<scalar_t>* __restrict__ stats, ReductionLayout shape,
                            GridStride stride, MaskView mask, int kind) {
   using acc_t = acc_of_t<scalar_t>;
   constexpr int kBatch = stream_batch<acc_t>();
   __shared__ LseState<acc_t> slots[kMaxThreads];
   const int slices = blockDim.y;
   const int slice = threadIdx.y;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   const int64_t inner = shape.inner;
   const int64_t rows = shape.outer * inner;
   constexpr int kCached = kIters > 0 ? kIters : 1;
 
   // `first` (the tile's first row) is the same for the whole block, so every
   // thread runs every iteration.
-  RowCursor r = first_row(inner);
+  ReductionCursor r = first_reduction(inner);
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x; first < rows;
-       first += stride.rows, next_row(r, stride, inner)) {
-    const bool active = r.row < rows;
+       first += stride.reductions, next_reduction(r, stride, inner)) {
+    const bool active = r.r < rows;
     const int64_t base = active ? entry_offset(shape, r.o, 0, r.i) : 0;
     const scalar_t* x_row = input + base;
     const bool* mask_row =
-        active && mask.data != nullptr ? mask.data + mask_row_offset(mask, r.row) : nullptr;
+        active && mask.data != nullptr ? mask.data + mask_row_offset(mask, r.r) : nullptr;
 
     LseState<acc_t> state = lse_empty<acc_t>();
     acc_t x[kCached][1];
@@ -246,7 +211,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (slice == 0) {
       stats[stats_offset(shape, r.o, 0, r.i)] = row_st.max;
       stats[stats_offset(shape, r.o, 1, r.i)] = row_st.log_sum;
-      if (kind == kLogSumExp) output[r.row] = FromAcc<scalar_t>::cast(lse_value(state));
+      if (kind == kLogSumExp) output[r.r] = FromAcc<scalar_t>::cast(lse_value(state));
     }
     if (kind == kLogSumExp) continue;
 
@@ -321,14 +286,14 @@ template <typename scalar_t, int kIters>
 __global__ void __launch_bounds__(kMaxThreads)
     strided_backward_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ output,
                             const acc_of_t<scalar_t>* __restrict__ stats,
-                            scalar_t* __restrict__ grad_input, SoftmaxShape shape,
+                            scalar_t* __restrict__ grad_input, ReductionLayout shape,
                             GridStride stride, MaskView mask, int kind) {
   using acc_t = acc_of_t<scalar_t>;
   constexpr int kBatch = stream_batch<acc_t>();
   __shared__ acc_t slots[kMaxThreads];
   const int slices = blockDim.y;
   const int slice = threadIdx.y;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   const int64_t inner = shape.inner;
   const int64_t rows = shape.outer * inner;
   const bool sum_needs_y = kind == kSoftmax;
@@ -336,10 +301,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   // `first` (the tile's first row) is the same for the whole block, so every
   // thread runs every iteration.
-  RowCursor r = first_row(inner);
+  ReductionCursor r = first_reduction(inner);
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x; first < rows;
-       first += stride.rows, next_row(r, stride, inner)) {
-    const bool active = r.row < rows;
+       first += stride.reductions, next_reduction(r, stride, inner)) {
+    const bool active = r.r < rows;
     const RowStats<acc_t> row_st =
         active ? RowStats<acc_t>{stats[stats_offset(shape, r.o, 0, r.i)],
                                    stats[stats_offset(shape, r.o, 1, r.i)]}
@@ -350,7 +315,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const scalar_t* g_row = grad + base;
     const scalar_t* y_row = output + base;
     const bool* mask_row =
-        live && mask.data != nullptr ? mask.data + mask_row_offset(mask, r.row) : nullptr;
+        live && mask.data != nullptr ? mask.data + mask_row_offset(mask, r.r) : nullptr;
 
     acc_t partial_sum = acc_t(0);
     acc_t g[kCached][1], y[kCached][1];
@@ -445,20 +410,20 @@ __global__ void __launch_bounds__(kMaxThreads)
     strided_logsumexp_backward_kernel(const scalar_t* __restrict__ grad,
                                       const scalar_t* __restrict__ input,
                                       const acc_of_t<scalar_t>* __restrict__ stats,
-                                      scalar_t* __restrict__ grad_input, SoftmaxShape shape,
+                                      scalar_t* __restrict__ grad_input, ReductionLayout shape,
                                       GridStride stride, MaskView mask) {
   using acc_t = acc_of_t<scalar_t>;
   constexpr int kBatch = stream_batch<acc_t>();
   const int slices = blockDim.y;
   const int slice = threadIdx.y;
-  const int64_t cols = shape.cols;
+  const int64_t cols = shape.n;
   const int64_t inner = shape.inner;
   const int64_t rows = shape.outer * inner;
 
-  RowCursor r = first_row(inner);
+  ReductionCursor r = first_reduction(inner);
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x; first < rows;
-       first += stride.rows, next_row(r, stride, inner)) {
-    if (r.row >= rows) continue;
+       first += stride.reductions, next_reduction(r, stride, inner)) {
+    if (r.r >= rows) continue;
     const RowStats<acc_t> row_st{stats[stats_offset(shape, r.o, 0, r.i)],
                                  stats[stats_offset(shape, r.o, 1, r.i)]};
     const int64_t base = entry_offset(shape, r.o, 0, r.i);
@@ -469,10 +434,10 @@ __global__ void __launch_bounds__(kMaxThreads)
         d_row[j * inner] = FromAcc<scalar_t>::cast(acc_t(0));
       continue;
     }
-    const acc_t g = to_acc(grad[r.row]);
+    const acc_t g = to_acc(grad[r.r]);
     const scalar_t* x_row = input + base;
     const bool* mask_row =
-        mask.data != nullptr ? mask.data + mask_row_offset(mask, r.row) : nullptr;
+        mask.data != nullptr ? mask.data + mask_row_offset(mask, r.r) : nullptr;
     int64_t j = slice;
     for (; j + (kBatch - 1) * slices < cols; j += kBatch * slices) {
       acc_t x[kBatch];
@@ -502,24 +467,21 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Launch planning (host).
 
 struct StridedPlan {
-  int iters;          // entries cached per thread; 0: streamed
-  int bx;             // rows per tile (blockDim.x)
-  int by;             // slices per row (blockDim.y)
-  int blocks;         // gridDim.x
-  GridStride stride;  // blocks * bx rows
+  int iters;         // entries cached per thread; 0: streamed
+  int bx;            // rows per tile (blockDim.x)
+  int by;            // slices per row (blockDim.y)
+  StridedGrid grid;  // blocks, and their stride of blocks * bx rows
 };
 
 // `operands`: the operands a reducing kernel caches (kForwardOperands,
 // kBackwardOperands), or 0 for the elementwise logsumexp backward.
 template <typename scalar_t>
-StridedPlan strided_plan(const SoftmaxShape& shape, int operands) {
-  const int64_t rows = shape.outer * shape.inner;
-  const int64_t cols = shape.cols;
-  // A warp's 32 lanes cover at least one run of inner consecutive elements.
-  const int bx_min = shape.inner < kWarp ? next_pow2(shape.inner) : kWarp;
+StridedPlan strided_plan(const ReductionLayout& shape, int operands) {
+  const int64_t rows = shape.reductions();
+  const int64_t cols = shape.n;
+  const int bx_min = strided_min_width(shape.inner);
   const int by_max = kMaxThreads / bx_min;
-  int by = 1;
-  while (by < by_max && rows * by < kTargetThreads && cols >= 2 * by * kMinColsPerThread) by *= 2;
+  int by = strided_slices(rows, cols, shape.inner, kMaxThreads, kTargetThreads, kMinColsPerThread);
   int iters = 0;
   if (operands > 0) {
     const int max_iters = max_cached_iters<scalar_t>(1, operands);
@@ -529,26 +491,22 @@ StridedPlan strided_plan(const SoftmaxShape& shape, int operands) {
   }
   // by <= 256 (inner >= 2), so bx * by is 256, or 512 where bx_min * by is.
   const int bx = kBlockThreads / by > bx_min ? kBlockThreads / by : bx_min;
-  const int64_t tiles = ceil_div(rows, bx);
-  const int blocks = static_cast<int>(tiles < kMaxBlocks ? tiles : kMaxBlocks);
-  const int64_t step = static_cast<int64_t>(blocks) * bx;
-  return StridedPlan{iters, bx, by, blocks,
-                     GridStride{step, step / shape.inner, step % shape.inner}};
+  return StridedPlan{iters, bx, by, strided_grid(rows, shape.inner, bx)};
 }
 
 }  // namespace
 
 template <typename scalar_t>
 cudaError_t strided_softmax_forward(SoftmaxKind kind, const scalar_t* input, scalar_t* output,
-                                    acc_of_t<scalar_t>* stats, SoftmaxShape shape, MaskView mask,
+                                    acc_of_t<scalar_t>* stats, ReductionLayout shape, MaskView mask,
                                     cudaStream_t stream) {
   if (shape.outer <= 0 || shape.inner <= 0) return cudaSuccess;
   const StridedPlan p = strided_plan<scalar_t>(shape, kForwardOperands);
   constexpr int kMaxIters = max_cached_iters<scalar_t>(1, kForwardOperands);
   return dispatch_iters<kMaxIters>(p.iters, [&](auto iters_c) {
     constexpr int kIters = decltype(iters_c)::value;
-    strided_forward_kernel<scalar_t, kIters><<<p.blocks, dim3(p.bx, p.by), 0, stream>>>(
-        input, output, stats, shape, p.stride, mask, static_cast<int>(kind));
+    strided_forward_kernel<scalar_t, kIters><<<p.grid.blocks, dim3(p.bx, p.by), 0, stream>>>(
+        input, output, stats, shape, p.grid.stride, mask, static_cast<int>(kind));
     return cudaGetLastError();
   });
 }
@@ -556,18 +514,18 @@ cudaError_t strided_softmax_forward(SoftmaxKind kind, const scalar_t* input, sca
 template <typename scalar_t>
 cudaError_t strided_softmax_backward(SoftmaxKind kind, const scalar_t* grad,
                                      const scalar_t* output, const acc_of_t<scalar_t>* stats,
-                                     scalar_t* grad_input, SoftmaxShape shape, MaskView mask,
+                                     scalar_t* grad_input, ReductionLayout shape, MaskView mask,
                                      cudaStream_t stream) {
   if (kind == SoftmaxKind::LogSumExp) return cudaErrorInvalidValue;
-  if (shape.outer <= 0 || shape.inner <= 0 || shape.cols <= 0) return cudaSuccess;
+  if (shape.outer <= 0 || shape.inner <= 0 || shape.n <= 0) return cudaSuccess;
   // The softmax backward has no mask: dropped entries have output 0.
   if (kind == SoftmaxKind::Softmax) mask.data = nullptr;
   const StridedPlan p = strided_plan<scalar_t>(shape, kBackwardOperands);
   constexpr int kMaxIters = max_cached_iters<scalar_t>(1, kBackwardOperands);
   return dispatch_iters<kMaxIters>(p.iters, [&](auto iters_c) {
     constexpr int kIters = decltype(iters_c)::value;
-    strided_backward_kernel<scalar_t, kIters><<<p.blocks, dim3(p.bx, p.by), 0, stream>>>(
-        grad, output, stats, grad_input, shape, p.stride, mask, static_cast<int>(kind));
+    strided_backward_kernel<scalar_t, kIters><<<p.grid.blocks, dim3(p.bx, p.by), 0, stream>>>(
+        grad, output, stats, grad_input, shape, p.grid.stride, mask, static_cast<int>(kind));
     return cudaGetLastError();
   });
 }
@@ -575,11 +533,11 @@ cudaError_t strided_softmax_backward(SoftmaxKind kind, const scalar_t* grad,
 template <typename scalar_t>
 cudaError_t strided_logsumexp_backward(const scalar_t* grad, const scalar_t* input,
                                        const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
-                                       SoftmaxShape shape, MaskView mask, cudaStream_t stream) {
-  if (shape.outer <= 0 || shape.inner <= 0 || shape.cols <= 0) return cudaSuccess;
+                                       ReductionLayout shape, MaskView mask, cudaStream_t stream) {
+  if (shape.outer <= 0 || shape.inner <= 0 || shape.n <= 0) return cudaSuccess;
   const StridedPlan p = strided_plan<scalar_t>(shape, 0);
-  strided_logsumexp_backward_kernel<scalar_t><<<p.blocks, dim3(p.bx, p.by), 0, stream>>>(
-      grad, input, stats, grad_input, shape, p.stride, mask);
+  strided_logsumexp_backward_kernel<scalar_t><<<p.grid.blocks, dim3(p.bx, p.by), 0, stream>>>(
+      grad, input, stats, grad_input, shape, p.grid.stride, mask);
   return cudaGetLastError();
 }
 

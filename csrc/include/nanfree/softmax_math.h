@@ -3,6 +3,7 @@
 // kernels and mirrored by name in nanfree/_triton/softmax.py.
 #pragma once
 
+#include "nanfree/layout.h"
 #include "nanfree/numerics.h"
 
 namespace nanfree {
@@ -10,47 +11,15 @@ namespace nanfree {
 // The three ops of the family; they share the forward row statistics.
 enum class SoftmaxKind : int { Softmax = 0, LogSoftmax = 1, LogSumExp = 2 };
 
-// A contiguous tensor viewed as [outer, cols, inner], reduced over cols: entry
-// (o, j, i) is at element offset (o * cols + j) * inner + i. Reducing over the
-// last dimension is inner == 1. The problem has outer * inner rows (one per
-// (o, i), numbered r = o * inner + i, the other dimensions in row-major order);
-// row r holds the cols entries (o, 0, i) .. (o, cols - 1, i), inner apart.
-struct SoftmaxShape {
-  int64_t outer;
-  int64_t cols;
-  int64_t inner;
-};
-
-// Element offset of entry (o, j, i).
-NF_HOST_DEVICE int64_t entry_offset(const SoftmaxShape& s, int64_t o, int64_t j, int64_t i) {
-  return (o * s.cols + j) * s.inner + i;
-}
+// The problem: a contiguous tensor viewed as [outer, n, inner]
+// (ReductionLayout of layout.h), reduced over n: one row per reduction, its n
+// entries the row's columns.
 
 // The saved statistics of row (o, i) lie where the reduced dimension of the
 // input has size 2: its max at stats_offset(s, o, 0, i), its log_sum at
 // stats_offset(s, o, 1, i). With inner == 1 that is a [rows, 2] array.
-NF_HOST_DEVICE int64_t stats_offset(const SoftmaxShape& s, int64_t o, int k, int64_t i) {
+NF_HOST_DEVICE int64_t stats_offset(const ReductionLayout& s, int64_t o, int k, int64_t i) {
   return (o * 2 + k) * s.inner + i;
-}
-
-// A boolean mask viewed with the layout of the problem's rows and columns
-// (a mask of the input's shape with the reduced dimension moved last). The
-// row index r = o * inner + i is split row-major over up to three collapsed
-// dimensions (sizes, strides); column j adds j * col_stride. Strides may be 0
-// (broadcast). data == nullptr means no mask.
-struct MaskView {
-  const bool* data;
-  int64_t sizes[3];
-  int64_t strides[3];
-  int64_t col_stride;
-};
-
-NF_HOST_DEVICE int64_t mask_row_offset(const MaskView& mask, int64_t row) {
-  const int64_t i2 = row % mask.sizes[2];
-  row /= mask.sizes[2];
-  const int64_t i1 = row % mask.sizes[1];
-  const int64_t i0 = row / mask.sizes[1];
-  return i0 * mask.strides[0] + i1 * mask.strides[1] + i2 * mask.strides[2];
 }
 
 // The value softmax sees: a dropped entry is exactly -inf, whatever it held
