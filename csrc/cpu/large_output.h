@@ -1,5 +1,6 @@
 // Writing outputs larger than the last-level cache: huge pages and streaming
-// stores. Used by the cosine family's CPU kernels.
+// stores (used by the cosine and GeM families' CPU kernels), and direct
+// stores of a vector's leading entries in float16 / bfloat16.
 //
 // Huge pages. A tensor of tens of MB gets memory that the C library maps
 // afresh for it (glibc maps every allocation of 32 MB or more on its own and
@@ -196,6 +197,37 @@ inline void end_streaming(bool stream) {
 #else
   (void)stream;
 #endif
+}
+
+// store_vec of `count` entries, with one direct (masked) store of a
+// float16 / bfloat16 vector where at::vec would copy through a buffer.
+template <typename scalar_t>
+inline void store_entries(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
+    const __m256i bits = std::is_same_v<scalar_t, at::BFloat16> ? at::vec::cvtfp32_bf16(v)
+                                                                 : at::vec::cvtfp32_fp16(v);
+    if (count == Vec<float>::size()) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+    } else {
+      _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << count) - 1u), bits);
+    }
+    return;
+  }
+#endif
+  store_vec(v, p, count);
+}
+
+// store_entries, streamed (cpu/large_output.h) when `stream` and the vector
+// is whole (its address then aligned to its stored size).
+template <typename scalar_t>
+inline void put_entries(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count,
+                        bool stream) {
+  if (stream && count == Vec<at::opmath_type<scalar_t>>::size()) {
+    stream_vec(v, p);
+  } else {
+    store_entries(v, p, count);
+  }
 }
 
 }  // namespace cpu

@@ -253,12 +253,6 @@ struct CpuMnrTiles {
 };
 
 }  // namespace
-}  // namespace nanfree
-
-namespace nanfree {
-namespace {
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
   m.impl("mnr_loss", &mnr_loss_kernel<CpuMnrTiles>);

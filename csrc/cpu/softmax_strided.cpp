@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/lanes.h"
 #include "cpu/vec.h"
 
 namespace nanfree {
@@ -51,7 +52,6 @@ constexpr int64_t kSlabBytes = 256 * 1024;    // a task's columns, kept in L2 be
 // long row's sum is not a long sequential sum (error ~ kSumColumns + cols /
 // kSumColumns roundings instead of ~ cols).
 constexpr int64_t kSumColumns = 64;
-constexpr int64_t kGrainElements = 32768;     // work per parallel task group
 
 // Lanes per task: a multiple of the vector width, at most the row count
 // `inner`; `operands` tensors of the block are re-read after the first pass
@@ -66,65 +66,6 @@ int64_t lane_width(const ReductionLayout& s, int operands) {
   }
   return std::min(width, s.inner);
 }
-
-// The lanes of one task: column j of lane l is base[j * stride + l]; the mask
-// (when there is one) keeps it when mask[offsets[l] + j * mask_col_stride].
-template <typename scalar_t>
-struct Lanes {
-  const scalar_t* base;
-  int64_t stride;
-  int64_t count;
-  const bool* mask;
-  int64_t mask_col_stride;
-  const int64_t* mask_offsets;
-
-  const scalar_t* column(int64_t j) const { return base + j * stride; }
-  bool keep(int64_t j, int64_t l) const {
-    return mask == nullptr || mask[mask_offsets[l] + j * mask_col_stride];
-  }
-};
-
-// The mask row offset of each lane of the task starting at row `first_row`.
-inline void fill_mask_offsets(const MaskView& mask, int64_t first_row, int64_t count,
-                              int64_t* offsets) {
-  if (mask.data == nullptr) return;
-  for (int64_t l = 0; l < count; ++l) offsets[l] = mask_row_offset(mask, first_row + l);
-}
-
-// The tasks of a strided problem: blocks of `width` lanes, `blocks` per o.
-struct Task {
-  int64_t o;
-  int64_t i0;
-  int64_t lanes;      // this block's lane count (the last block of an o may be short)
-  int64_t offset;     // element offset of entry (o, 0, i0)
-  int64_t first_row;  // row index o * inner + i0 of lane 0
-};
-
-struct TaskGrid {
-  ReductionLayout shape;
-  int64_t width;
-  int64_t blocks;
-
-  TaskGrid(const ReductionLayout& s, int64_t lanes_per_task)
-      : shape(s), width(lanes_per_task), blocks((s.inner + width - 1) / width) {}
-  int64_t count() const { return shape.outer * blocks; }
-  // Tasks per parallel grain: about kGrainElements entries.
-  int64_t grain() const {
-    return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, shape.n * width));
-  }
-  Task task(int64_t t) const {
-    const int64_t o = t / blocks, i0 = (t % blocks) * width;
-    return Task{o, i0, std::min(width, shape.inner - i0), entry_offset(shape, o, 0, i0),
-                o * shape.inner + i0};
-  }
-  // The task's lanes of a tensor of the problem's shape starting at `data`.
-  template <typename scalar_t>
-  Lanes<scalar_t> lanes(const scalar_t* data, const Task& t, const MaskView& mask,
-                        const int64_t* mask_offsets) const {
-    return Lanes<scalar_t>{data + t.offset, shape.inner, t.lanes, mask.data, mask.col_stride,
-                           mask_offsets};
-  }
-};
 
 // Vector lse_scale(a, b) = exp(a - b) for a <= b: equal arguments (both -inf
 // for a lane with nothing yet, or equal maxima) give 1 instead of exp(NaN).

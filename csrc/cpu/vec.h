@@ -1,7 +1,9 @@
 // Vector helpers shared by the CPU kernels of every op family: at::vec types,
 // the shifted exp, conversions between the stored and accumulation types, row
-// reductions over several accumulators. Every file of csrc/cpu is compiled
-// with the same vector ISA (setup.py).
+// reductions over several accumulators, lane masks and blends, compensated
+// sums, horizontal reductions of several vectors at once, and the work of a
+// parallel task. Every file of csrc/cpu is compiled with the same vector ISA
+// (setup.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,13 +13,21 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <type_traits>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace nanfree {
 namespace cpu {
+
+// Work of one parallel task (at::parallel_for's grain), in entries.
+constexpr int64_t kGrainElements = 32768;
 
 // Hot loops are flattened: GCC keeps ATen's exp_u20 out of line otherwise,
 // and a call per vector costs about a third of a short row's time.
@@ -211,6 +221,122 @@ template <typename acc_t>
 Vec<acc_t> saturate_vec(const Vec<acc_t>& x, const Vec<acc_t>& out_max, const Vec<acc_t>& out_min) {
   return at::vec::clamp_max(at::vec::clamp_min(x, out_min), out_max);
 }
+
+// b in lanes [0, count), a in the others (Vec::set without its switch).
+template <typename acc_t>
+inline Vec<acc_t> first_lanes(const Vec<acc_t>& a, const Vec<acc_t>& b, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const unsigned bits = (1u << count) - 1u;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return Vec<acc_t>(_mm512_mask_blend_ps(static_cast<__mmask16>(bits), a, b));
+  } else {
+    return Vec<acc_t>(_mm512_mask_blend_pd(static_cast<__mmask8>(bits), a, b));
+  }
+#else
+  return Vec<acc_t>::set(a, b, count);
+#endif
+}
+
+// A running sum of vectors with Kahan's compensation: a lane's error stays
+// about one rounding however many terms it adds (a plain running sum of n
+// terms carries up to n / 2), as accurate as torch's cascade sums. Used where
+// a lane sums a long part of a reduction (inner > 1, and rows beyond flat
+// blocks).
+template <typename acc_t>
+struct CompensatedSum {
+  Vec<acc_t> sum{acc_t(0)}, carry{acc_t(0)};
+  void add(const Vec<acc_t>& v) {
+    const Vec<acc_t> y = v - carry;
+    const Vec<acc_t> t = sum + y;
+    carry = (t - sum) - y;
+    sum = t;
+  }
+};
+
+// A lane mask (every bit set where kept) of `count` mask entries at keep,
+// keep + stride, ...; lanes past count are cleared.
+template <typename acc_t>
+inline Vec<acc_t> keep_lanes(const bool* keep, int64_t stride, int64_t count) {
+  using V = Vec<acc_t>;
+  constexpr int64_t w = V::size();
+#if defined(CPU_CAPABILITY_AVX512)
+  if (stride == 1) {  // one masked byte load
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+    const __m128i bytes = _mm_maskz_loadu_epi8(valid, keep);
+    const __mmask16 kept = _mm_test_epi8_mask(bytes, bytes);
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return V(_mm512_castsi512_ps(_mm512_movm_epi32(kept)));
+    } else {
+      return V(_mm512_castsi512_pd(_mm512_movm_epi64(static_cast<__mmask8>(kept))));
+    }
+  }
+#endif
+  acc_t lanes[w];
+  for (int64_t l = 0; l < w; ++l) lanes[l] = l < count && keep[l * stride] ? acc_t(1) : acc_t(0);
+  return V::loadu(lanes) != V(acc_t(0));
+}
+
+// The larger of a and b for data without NaN (a block holding NaN is redone
+// by the caller): one instruction, where at::vec::maximum also keeps NaN.
+template <typename acc_t>
+inline Vec<acc_t> plain_max(const Vec<acc_t>& a, const Vec<acc_t>& b) {
+  return at::vec::clamp_min(a, b);
+}
+
+// Horizontal reductions of `count` (at most one vector's width) vectors at
+// once: lane l of the result reduces the vector at v + l * width (lanes past
+// count are unspecified). With AVX-512 float, four levels of pairwise
+// two-source permutes: about three instructions per vector instead of ten.
+template <typename acc_t, typename Op>
+inline Vec<acc_t> reduce_each(const acc_t* v, int64_t count, Op op) {
+  using V = Vec<acc_t>;
+  constexpr int64_t w = V::size();
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    __m512 r[w];  // (a V array would be zeroed first)
+    for (int64_t l = 0; l < w; ++l) r[l] = _mm512_loadu_ps(v + (l < count ? l : 0) * w);  // filler past count
+    for (int64_t len = w; len > 1; len /= 2) {
+      for (int64_t i = 0; i < len / 2; ++i) {
+        r[i] = op(V(_mm512_permutex2var_ps(r[2 * i], even, r[2 * i + 1])),
+                  V(_mm512_permutex2var_ps(r[2 * i], odd, r[2 * i + 1])));
+      }
+    }
+    return V(r[0]);
+  }
+#endif
+  acc_t out[w] = {};
+  for (int64_t l = 0; l < count; ++l) {
+    out[l] = at::vec::vec_reduce_all<acc_t>([&](V& a, V& b) { return op(a, b); }, V::loadu(v + l * w));
+  }
+  return V::loadu(out);
+}
+
+// x where a > b, else 0.
+template <typename acc_t>
+inline Vec<acc_t> where_greater(const Vec<acc_t>& a, const Vec<acc_t>& b, const Vec<acc_t>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return Vec<float>(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), x));
+  }
+#endif
+  return Vec<acc_t>::blendv(Vec<acc_t>(acc_t(0)), x, a > b);
+}
+
+// A double sum with Neumaier's compensation: each addition's rounding error is
+// kept (exactly) and added at the end, so that terms of both signs near the
+// largest value cancel to about one rounding of the result, not of the
+// largest partial sum.
+struct NeumaierSum {
+  double sum = 0, carry = 0;
+  void add(double v) {
+    const double t = sum + v;
+    carry += std::abs(sum) >= std::abs(v) ? (sum - t) + v : (v - t) + sum;
+    sum = t;
+  }
+  double value() const { return sum + carry; }
+};
 
 }  // namespace cpu
 }  // namespace nanfree
