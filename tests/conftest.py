@@ -1,3 +1,4 @@
+import math
 import os
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 from hypothesis import settings
 
 import nanfree
+from nanfree._ops.common import acc_dtype  # noqa: F401  (the test modules import it from here)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -27,6 +29,9 @@ DEVICES = [
     if SERVING[device] in BACKENDS and (device == "cpu" or torch.cuda.is_available())
 ]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+INF = math.inf
+NAN = math.nan
 
 
 def pytest_configure(config):
@@ -63,3 +68,26 @@ def triton_kernel_device(kernels):
         "scripts/test.sh",
         allow_module_level=True,
     )
+
+
+def triton_kernel_mode_matches(kernels, device):
+    """Whether a Triton family's kernels run where the tests run them (and
+    backend_info says so): interpreted on CPU tensors, compiled on CUDA ones."""
+    from nanfree._backends import triton_mode
+
+    mode = "interpreted" if device == "cpu" else "compiled"
+    return kernels.kernels_interpreted() == (device == "cpu") and triton_mode() == mode
+
+
+def triton_refused_devices(device):
+    """The devices whose tensors the Triton kernels running on `device` refuse."""
+    if device == "cuda":
+        return ["cpu"]
+    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def triton_refusal_words(device):
+    """What the refusal of a tensor on another device says, for kernels on `device`."""
+    if device == "cpu":
+        return ("CPU tensors only", "unset TRITON_INTERPRET")
+    return ("CUDA tensors only", "set TRITON_INTERPRET=1")

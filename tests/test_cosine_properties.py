@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, DTYPES
+from conftest import DEVICES, DTYPES, HALF_DTYPES, INF, NAN
 from saved_tensors import saved_sizes
 from cosine_oracle import cosine, cosine_grads, normalize_grad
 from cosine_oracle import normalize as oracle_normalize
@@ -22,9 +22,6 @@ from hypothesis import strategies as st
 
 import nanfree.ops as nf
 
-INF = math.inf
-NAN = math.nan
-HALF = (torch.float16, torch.bfloat16)
 
 # Entries whose squares overflow the dtype (fp16: 300^2 > 65504) and entries
 # whose squares underflow it (fp16: 1e-8 is below its smallest subnormal).
@@ -710,7 +707,7 @@ def test_matches_sentence_transformers_cos_sim(device, dtype):
     for x, y in ((a, b), (a[0], b), (a, b[1]), (a[0], b[0]), (b, a)):
         ours, theirs = nf.cos_sim(x, y), st_util.cos_sim(x, y)
         assert ours.shape == theirs.shape and ours.device == theirs.device
-        if dtype in HALF:
+        if dtype in HALF_DTYPES:
             # sentence-transformers 6.2 computes half inputs in float32 and returns
             # float32; nanfree keeps the input's dtype (DESIGN.md 2), within its rounding.
             assert ours.dtype == dtype
@@ -719,6 +716,6 @@ def test_matches_sentence_transformers_cos_sim(device, dtype):
         else:
             assert ours.dtype == theirs.dtype == dtype
             torch.testing.assert_close(ours, theirs)
-    if dtype not in HALF:
+    if dtype not in HALF_DTYPES:
         # Gradients away from the zero embedding (where torch's is 1e12, ours 0).
         _match_torch(nf.cos_sim, st_util.cos_sim, [a[[0, 1, 3, 4, 5]], b])

@@ -6,13 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPES, INTERPRETED
+from conftest import DTYPES, INF, INTERPRETED, NAN
 from cosine_oracle import cosine, cosine_grads, normalize, normalize_grad
 
 import nanfree.ops as nf
 
-INF = math.inf
-NAN = math.nan
 D = 6  # entries per vector of the short cases
 LONG = 1000  # entries per vector of the long cases (special values late in the row)
 

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, DTYPES, INTERPRETED
+from conftest import DEVICES, DTYPES, INF, INTERPRETED, NAN, acc_dtype
 from saved_tensors import saved_sizes
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -25,8 +25,6 @@ import nanfree.nn as nfnn
 import nanfree.ops as nf
 from nanfree._backends import SERVING
 
-INF = math.inf
-NAN = math.nan
 
 # Magnitudes near each dtype's limits: a power that overflows the dtype
 # (fp16: 6e4^3) and one that underflows it (fp16: (1e-4)^3 = 1e-12).
@@ -180,13 +178,9 @@ def _p_strategy():
 # --- oracle helpers -----------------------------------------------------------------
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _effective_eps(eps, dtype):
     # Below the accumulation type's smallest normal, eps acts as that value.
-    return max(eps, torch.finfo(_acc(dtype)).tiny)
+    return max(eps, torch.finfo(acc_dtype(dtype)).tiny)
 
 
 def _oracle(v, p, eps, mask, g):
@@ -242,7 +236,7 @@ def test_finite_on_finite_input(device, batch, p, eps, layout):
     ref, want_dx, want_dps = _oracle(v, p, eps_eff, mask, g)
     torch.testing.assert_close(out.double(), ref.to(dtype).double(), **TOL[dtype])
     keep = torch.ones_like(v, dtype=torch.bool) if mask is None else mask
-    clamped = v.to(_acc(dtype)) <= torch.tensor(eps_eff, dtype=_acc(dtype))
+    clamped = v.to(acc_dtype(dtype)) <= torch.tensor(eps_eff, dtype=acc_dtype(dtype))
     assert (dx[~keep] == 0).all(), "a masked entry's gradient is exactly 0"
     assert (dx[clamped] == 0).all(), "a clamped entry's gradient is exactly 0"
     empty = ~keep.any(dim=1)
@@ -290,7 +284,7 @@ def test_nan_stays_in_its_reduction(device, batch, p, layout, data):
     out_d, dx_d, dp_d = _run_gem(dirty, p, 1e-6, mask, layout, device, g)
     others = [r for r in range(rows) if r not in hit]
     assert torch.isnan(out_d[hit]).all()
-    clamped = dirty.to(_acc(dtype)) <= 1e-6  # (NaN <= eps is false: a NaN entry is not)
+    clamped = dirty.to(acc_dtype(dtype)) <= 1e-6  # (NaN <= eps is false: a NaN entry is not)
     for r in hit:
         live = keep[r] & ~clamped[r]
         # Its kept entries' gradients are NaN, but a clamped entry's is 0 (as

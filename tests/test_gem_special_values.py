@@ -11,24 +11,18 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPES, INTERPRETED
+from conftest import DTYPES, INF, INTERPRETED, NAN, acc_dtype
 from nanfree._backends import SERVING
 
 import gem_oracle
 import nanfree.ops as nf
 
-INF = math.inf
-NAN = math.nan
 N = 8  # entries per reduction of the short cases
 LONG = 300 if INTERPRETED else 1000  # the long cases: special values late in the reduction
 
 
 def _plain(n, shift=0.0):
     return [1.5 + math.sin(0.7 * i + shift) for i in range(n)]
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _cases(dtype):
@@ -150,12 +144,12 @@ def _leaf(t, device):
 
 def _effective_eps(eps, dtype):
     # The op works with eps in the accumulation type, raised to its smallest normal.
-    return max(eps, torch.finfo(_acc(dtype)).tiny)
+    return max(eps, torch.finfo(acc_dtype(dtype)).tiny)
 
 
 def _oracle(held, p_ref, eps, mask, g, dtype):
     xr = held.detach().clone().requires_grad_(True)
-    out = gem_oracle.gem(xr, p_ref, 1, eps, mask, acc=_acc(dtype))
+    out = gem_oracle.gem(xr, p_ref, 1, eps, mask, acc=acc_dtype(dtype))
     finite_rows = torch.isfinite(out)
     (out[finite_rows] * g[finite_rows]).sum().backward()
     gp = p_ref.grad if isinstance(p_ref, torch.Tensor) else None
@@ -164,7 +158,7 @@ def _oracle(held, p_ref, eps, mask, g, dtype):
 
 def _clamped(held, eps, dtype):
     """Entries at or below eps as the op compares them (in the accumulation type)."""
-    acc = _acc(dtype)
+    acc = acc_dtype(dtype)
     return held.to(acc) <= torch.tensor(eps, dtype=acc)
 
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES, DTYPES, INTERPRETED
+from conftest import DEVICES, DTYPES, INTERPRETED, acc_dtype
 from saved_tensors import saved_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,10 +31,6 @@ COS_EPS = 1e-12  # cos_sim's eps
 HUGE = {torch.float16: 6e4, torch.bfloat16: 1e38, torch.float32: 1e38, torch.float64: 1e300}
 SMALL = {torch.float16: 1e-4, torch.bfloat16: 1e-30, torch.float32: 1e-30, torch.float64: 1e-300}
 FEWER_EXAMPLES = settings(max_examples=max(5, settings().max_examples // 2))
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --- batches --------------------------------------------------------------------------
@@ -227,11 +223,11 @@ def _check(problem, device):
     upstream = _upstream(problem)
     loss, grads, raw_loss, raw_grads = _run(nf.mnr_loss, problem, dtype, device, upstream)
     # Half inputs give a float32 loss; gradients come back in their inputs' dtypes.
-    assert raw_loss.dtype == _acc(dtype)
+    assert raw_loss.dtype == acc_dtype(dtype)
     for g, t in zip(raw_grads, problem.embeddings()):
         assert g.dtype == dtype and g.shape == t.shape
     if problem.scale_kind != "float":
-        assert raw_grads[-1].dtype == _acc(dtype)
+        assert raw_grads[-1].dtype == acc_dtype(dtype)
     assert torch.isfinite(loss).all(), f"loss {loss}"
     for i, g in enumerate(grads):
         assert torch.isfinite(g).all(), f"gradient {i}: {g}"
@@ -309,7 +305,7 @@ def test_permuting_the_batch_permutes_the_losses(device, problem, data):
                     else problem.n, problem.scale, problem.scale_kind, problem.options)
     m_loss, m_grads = _run(nf.mnr_loss, moved, problem.dtype, device, upstream[perm])[:2]
     # The same sums in another order: a few roundings of the accumulation type.
-    eps = torch.finfo(_acc(problem.dtype)).eps
+    eps = torch.finfo(acc_dtype(problem.dtype)).eps
     tol = 16 * eps * (problem.scale_eff + _amax(loss) + 1)
     torch.testing.assert_close(m_loss, loss[perm], rtol=0, atol=tol)
     hard = problem.n is not None and problem.n.dim() == 3

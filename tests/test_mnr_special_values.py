@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DTYPES, INTERPRETED
+from conftest import DTYPES, INTERPRETED, acc_dtype
 from mnr_oracle import composed_mnr_loss
 
 import nanfree.ops as nf
@@ -34,10 +34,6 @@ CONFIGS += [(("query_to_doc",), "per_direction"),
 HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
 EVERY = dict(directions=ALL)
 COS_EPS = 1e-12  # cos_sim's eps (sentence-transformers': F.normalize's default)
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --- the table ------------------------------------------------------------------------
@@ -225,7 +221,7 @@ def _unit_error(x, dtype):
     accumulation type."""
     ref = F.normalize(x, dim=-1, eps=COS_EPS)
     rounded = ref.to(dtype).double()
-    eps_acc = torch.finfo(_acc(dtype)).eps
+    eps_acc = torch.finfo(acc_dtype(dtype)).eps
     return (rounded - ref).abs().sum(-1) + 4 * math.sqrt(x.shape[-1]) * eps_acc
 
 
@@ -240,7 +236,7 @@ class _Bounds:
         if n is not None:
             rows.append(n.reshape(-1, q.shape[-1]))
         self.b, self.d = q.shape
-        eps_acc = torch.finfo(_acc(dtype)).eps
+        eps_acc = torch.finfo(acc_dtype(dtype)).eps
         du = max(float(_unit_error(r, dtype).max()) if r.numel() else 0.0 for r in rows)
         self.du = du
         self.dcos = 2 * du + self.d * eps_acc
@@ -287,7 +283,7 @@ def _assert_matches_oracle(inputs, dtype, device, reduction):
     loss, grads = inputs.run(nf.mnr_loss, dtype, device, reduction, upstream)
     ref_loss, ref_grads = _oracle(inputs, reduction, upstream)
     # Half inputs give a float32 loss; float64 a float64 one.
-    assert loss.dtype == _acc(dtype) and loss.device.type == device
+    assert loss.dtype == acc_dtype(dtype) and loss.device.type == device
     assert loss.shape == ((q.shape[0],) if reduction == "none" else ())
     loss = loss.cpu().double()
     assert torch.isfinite(loss).all(), loss
@@ -301,7 +297,7 @@ def _assert_matches_oracle(inputs, dtype, device, reduction):
             assert got is None
             continue
         if name == "scale":
-            assert got.dtype == _acc(dtype)
+            assert got.dtype == acc_dtype(dtype)
             assert got.shape == () and torch.isfinite(got), got
             err = abs(float(got) - float(ref))
             tol = bounds.scale_grad_tol(upstream, ref)

@@ -1,17 +1,15 @@
 """Property tests: extreme inputs never give NaN or non-finite gradients, and
 where torch is finite nanfree's error is at most 2x torch's (DESIGN.md 1.4)."""
 
-import math
 
 import pytest
 import torch
-from conftest import DEVICES, DTYPES
+from conftest import DEVICES, DTYPES, INF
 from hypothesis import given
 from hypothesis import strategies as st
 
 import nanfree.ops as nf
 
-INF = math.inf
 
 
 def _extreme_values(dtype):

@@ -5,13 +5,11 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPES
+from conftest import DTYPES, INF, NAN
 from softmax_oracle import row_grad_oracle, row_oracle
 
 import nanfree.ops as nf
 
-INF = math.inf
-NAN = math.nan
 
 
 def _cases(dtype):

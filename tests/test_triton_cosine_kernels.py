@@ -3,11 +3,8 @@ checked against the pure-PyTorch implementation (nanfree._torch_backend.cosine,
 the same algorithm) and against float64 math written here from the DESIGN.md
 section 2 rules.
 
-They run on the device the Triton of this process serves: CPU tensors when the
-kernels were defined under Triton's interpreter (the TRITON_INTERPRET=1 pass of
-scripts/test.sh), CUDA tensors when Triton is compiled and a GPU is present.
-This module never changes the environment. Shapes are small: the interpreter
-runs every program in numpy."""
+They run where conftest.triton_kernel_device says; shapes are small (the
+interpreter runs every program in numpy)."""
 
 import math
 
@@ -16,8 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import triton_kernel_device  # noqa: E402
-from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
+from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
+                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._torch_backend import cosine as R  # noqa: E402
 from nanfree._triton import cosine as K  # noqa: E402
 
@@ -26,9 +24,6 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (1/0, inf * 0) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-INF = float("inf")
-NAN = float("nan")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # (rtol, atol) against float64, for values of magnitude ~1.
 TOL = {
     torch.float64: (1e-10, 1e-12),
@@ -233,21 +228,13 @@ def check_cosine(x1, x2, eps=COSINE_EPS):
 
 
 def test_kernel_mode_and_device():
-    assert K.kernels_interpreted() == (DEVICE == "cpu")
-    assert triton_mode() == ("interpreted" if DEVICE == "cpu" else "compiled")
+    assert triton_kernel_mode_matches(K, DEVICE)
 
 
-def _refused_devices():
-    if DEVICE == "cuda":
-        return ["cpu"]
-    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _refused_devices())
+@pytest.mark.parametrize("device", triton_refused_devices(DEVICE))
 def test_refuses_tensors_the_kernels_cannot_run_on(device):
     # Refused before any launch, whatever the shape (never an error from inside Triton).
-    words = ("CPU tensors only", "unset TRITON_INTERPRET") if DEVICE == "cpu" else (
-        "CUDA tensors only", "set TRITON_INTERPRET=1")
+    words = triton_refusal_words(DEVICE)
     x = torch.zeros(3, 4, device=device)
     stats2 = torch.zeros(3, 2, device=device)
     stats6 = torch.zeros(3, 6, device=device)

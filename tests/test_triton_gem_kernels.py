@@ -6,11 +6,8 @@ as gem_pool2d's [B*C, H*W, 1]; inner > 1, the token layout [B, L, H] reduced
 over L), with the special-value rules spelled out on top; and the mirrored
 header functions one by one against the reference's.
 
-They run on the device the Triton of this process serves: CPU tensors when the
-kernels were defined under Triton's interpreter (the TRITON_INTERPRET=1 pass of
-scripts/test.sh), CUDA tensors when Triton is compiled and a GPU is present.
-This module never changes the environment. Shapes are small: the interpreter
-runs every program in numpy."""
+They run where conftest.triton_kernel_device says; shapes are small (the
+interpreter runs every program in numpy)."""
 
 import math
 
@@ -21,8 +18,9 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from conftest import triton_kernel_device  # noqa: E402
-from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
+from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
+                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._torch_backend import gem as R  # noqa: E402
 from nanfree._triton import gem as K  # noqa: E402
 from nanfree._triton.gem import (gem_divergence_h, gem_input_grad_weight,  # noqa: E402
@@ -34,9 +32,6 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (log 0, 0 / 0, inf * 0) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-INF = float("inf")
-NAN = float("nan")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EPS = 1e-6  # the ops' default
 TINY_EPS = 1e-300  # below every accumulation type's smallest normal: raised to it
 # Relative tolerance against the reference, per dtype of the compared values:
@@ -157,21 +152,13 @@ def tokens(x_rows):
 
 
 def test_kernel_mode_and_device():
-    assert K.kernels_interpreted() == (DEVICE == "cpu")
-    assert triton_mode() == ("interpreted" if DEVICE == "cpu" else "compiled")
+    assert triton_kernel_mode_matches(K, DEVICE)
 
 
-def _refused_devices():
-    if DEVICE == "cuda":
-        return ["cpu"]
-    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _refused_devices())
+@pytest.mark.parametrize("device", triton_refused_devices(DEVICE))
 def test_refuses_tensors_the_kernels_cannot_run_on(device):
     # Refused before any launch, whatever the shape (never an error from inside Triton).
-    words = ("CPU tensors only", "unset TRITON_INTERPRET") if DEVICE == "cpu" else (
-        "CUDA tensors only", "set TRITON_INTERPRET=1")
+    words = triton_refusal_words(DEVICE)
     x = torch.ones(2, 5, 3, device=device)
     g = torch.ones(2, 3, device=device)
     stats = torch.zeros(2, 3, 3, device=device)

@@ -9,11 +9,8 @@ many (shrunken blocks, sizes that are no multiple of them, column splits);
 the ops on raw embeddings (normalized around the cores); and the mirrored
 header functions one by one against the reference's.
 
-They run on the device the Triton of this process serves: CPU tensors when the
-kernels were defined under Triton's interpreter (the TRITON_INTERPRET=1 pass of
-scripts/test.sh), CUDA tensors when Triton is compiled and a GPU is present.
-This module never changes the environment. Shapes are small: the interpreter
-runs every program in numpy."""
+They run where conftest.triton_kernel_device says; shapes are small (the
+interpreter runs every program in numpy)."""
 
 import itertools
 
@@ -25,8 +22,9 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from conftest import triton_kernel_device  # noqa: E402
-from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
+from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
+                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._torch_backend import mnr as R  # noqa: E402
 from nanfree._triton import mnr as K  # noqa: E402
 
@@ -35,9 +33,6 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (log 0, inf - inf) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-INF = float("inf")
-NAN = float("nan")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 Q2D, Q2Q, D2Q, D2D = 1, 2, 4, 8
 # (directions, per_direction): every direction set with the joint partition,
 # and the two sets per_direction allows.
@@ -172,20 +167,12 @@ def small_tiles(monkeypatch):
 
 
 def test_kernel_mode_and_device():
-    assert K.kernels_interpreted() == (DEVICE == "cpu")
-    assert triton_mode() == ("interpreted" if DEVICE == "cpu" else "compiled")
+    assert triton_kernel_mode_matches(K, DEVICE)
 
 
-def _refused_devices():
-    if DEVICE == "cuda":
-        return ["cpu"]
-    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _refused_devices())
+@pytest.mark.parametrize("device", triton_refused_devices(DEVICE))
 def test_refuses_tensors_the_kernels_cannot_run_on(device):
-    words = ("CPU tensors only", "unset TRITON_INTERPRET") if DEVICE == "cpu" else (
-        "CUDA tensors only", "set TRITON_INTERPRET=1")
+    words = triton_refusal_words(DEVICE)
     q = torch.ones(2, 4, device=device)
     docs = torch.ones(4, 4, device=device)
     stats = torch.zeros(2, 2, device=device)

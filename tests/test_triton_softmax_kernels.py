@@ -1,11 +1,8 @@
 """The Triton softmax-family launchers (nanfree._triton.softmax), called directly,
 checked against a float64 torch reference of the DESIGN.md section 2 rules.
 
-They run on the device the Triton of this process serves: CPU tensors when the
-kernels were defined under Triton's interpreter (the TRITON_INTERPRET=1 pass of
-scripts/test.sh), CUDA tensors when Triton is compiled and a GPU is present.
-This module never changes the environment. Shapes are small: the interpreter
-runs every program in numpy."""
+They run where conftest.triton_kernel_device says; shapes are small (the
+interpreter runs every program in numpy)."""
 
 import math
 
@@ -14,8 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import triton_kernel_device  # noqa: E402
-from nanfree._backends import BackendUnavailableError, triton_mode  # noqa: E402
+from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
+                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._ops.layout import mask_layout  # noqa: E402
 from nanfree._triton import softmax as K  # noqa: E402
 
@@ -24,9 +22,6 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (log 0, 1/0, inf - inf) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-INF = float("inf")
-NAN = float("nan")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # (rtol, atol) against the float64 reference, for values of magnitude ~1.
 TOL = {
     torch.float64: (1e-10, 1e-12),
@@ -173,21 +168,13 @@ def small_strided_tiles(monkeypatch):
 
 
 def test_kernel_mode_and_device():
-    assert K.kernels_interpreted() == (DEVICE == "cpu")
-    assert triton_mode() == ("interpreted" if DEVICE == "cpu" else "compiled")
+    assert triton_kernel_mode_matches(K, DEVICE)
 
 
-def _refused_devices():
-    if DEVICE == "cuda":
-        return ["cpu"]
-    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _refused_devices())
+@pytest.mark.parametrize("device", triton_refused_devices(DEVICE))
 def test_refuses_tensors_the_kernels_cannot_run_on(device):
     # Refused before any launch, whatever the shape (never an error from inside Triton).
-    words = ("CPU tensors only", "unset TRITON_INTERPRET") if DEVICE == "cpu" else (
-        "CUDA tensors only", "set TRITON_INTERPRET=1")
+    words = triton_refusal_words(DEVICE)
     x = torch.zeros(3, 4, 5, device=device)
     stats = torch.zeros(3, 2, 5, device=device)
     calls = [

@@ -30,7 +30,6 @@ namespace {
 
 using namespace cpu;
 
-constexpr int64_t kGrainElements = 32768;  // work per parallel task, in elements
 
 inline int64_t row_grain(int64_t d) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(d, 1));

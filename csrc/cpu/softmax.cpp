@@ -36,7 +36,6 @@ constexpr int64_t kChunk = 1024;
 constexpr int64_t kExpBufferCols = 16384;
 
 // Total work per parallel task, in elements.
-constexpr int64_t kGrainElements = 32768;
 
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1));
