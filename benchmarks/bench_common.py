@@ -358,6 +358,8 @@ class Bench:
             f.write(f"Records: `{self.family}.csv` (ratio = baseline time / nanfree time, above 1 "
                     f"= nanfree faster); picture: `{self.family}.png`.\n")
         written.append(base + ".md")
+        import overview  # here: it reads the CSV just written, and imports this module
+        written += overview.write(self.out_dir)
         print("\n" + "\n".join(summary_lines))
         print(f"\n{run}\nwrote " + ", ".join(os.path.relpath(p) for p in written))
 

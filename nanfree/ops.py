@@ -1,6 +1,6 @@
 """Drop-in replacements for torch functions that never return NaN from non-NaN input.
 
-Signatures copy torch's; extras are keyword-only. See README.md for the contract.
+Signatures copy torch's; extras are keyword-only. The contract of each family: docs/<family>.md.
 
 Each function turns the torch-style call into its operator's call: through
 the C++ entry points of ``nanfree._C`` (one call; the op checks its arguments
@@ -249,7 +249,7 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     ``queries``, ``positives`` [B, d]; ``negatives`` None, [B, k, d] (k hard
     negatives per query) or [N, d] (extra candidates shared by every query,
     owned by none). ``scale`` is a positive float or a one-element tensor (its
-    gradient is returned). See README.md for directions, partition modes,
+    gradient is returned). See docs/mnr.md for directions, partition modes,
     hardness modes and gathering across ranks. Half-precision inputs give a
     float32 loss."""
     op = "mnr_loss"

@@ -41,9 +41,9 @@ run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}"
 
 emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
 if emulated plain && emulated grid_capped && emulated sanitized; then
-  KERNEL_TESTS=(tests/test_cuda_emulation.py tests/test_softmax_mask_layouts.py
-                tests/test_softmax_special_values.py tests/test_cosine_special_values.py
-                tests/test_gem_special_values.py tests/test_mnr_special_values.py)
+  # The emulation's own tests, every family's special-value table and the mask layouts.
+  KERNEL_TESTS=(tests/test_cuda_emulation.py tests/test_*_special_values.py
+                tests/test_softmax_mask_layouts.py)
   cuda() { echo NANFREE_BACKEND=cuda "NANFREE_CUDA_EMULATION=$1" "NANFREE_CUDA_SCHEDULE=$2"; }
   # The launch log of the whole-suite pass: every CUDA kernel and launch site
   # must have run (tests/cuda_emulation/coverage.py fails otherwise).

@@ -7,7 +7,7 @@ nanfree/_ops/softmax.py. The per-entry math mirrors
 csrc/include/nanfree/softmax_math.h function by function (same names); the row
 reduction uses the online logsumexp state of numerics.py.
 
-The contiguous input is viewed as [outer, cols, inner] (SoftmaxShape) and
+The contiguous input is viewed as [outer, cols, inner] (ReductionLayout) and
 reduced over cols; row r = o * inner + i holds the entries (o, j, i) at
 element offset (o * cols + j) * inner + i (entry_offset).
 
