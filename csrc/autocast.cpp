@@ -28,11 +28,8 @@
 #include <tuple>
 
 #include "common/autocast.h"
-#include "common/cosine_op.h"
 #include "common/find_op.h"
-#include "common/gem_op.h"
-#include "common/mnr_op.h"
-#include "common/softmax_op.h"
+#include "common/softmax_op.h"  // forward_name
 
 namespace nanfree {
 namespace {
@@ -40,7 +37,7 @@ namespace {
 template <SoftmaxKind kind, c10::DispatchKey key>
 std::tuple<at::Tensor, at::Tensor> softmax_in_float32(const at::Tensor& input, int64_t dim,
                                                       const std::optional<at::Tensor>& mask) {
-  static const auto op = find_op<ForwardSignature>(forward_name(kind));
+  static const auto op = find_op<SoftmaxForwardSignature>(forward_name(kind));
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
   return op.call(autocast_to_float(input), dim, mask);
 }

@@ -49,7 +49,7 @@ at::Tensor call_backward_op(const at::Tensor& grad, const at::Tensor& saved,
     static const auto op = find_op<SoftmaxBackwardSignature>(backward_name(kind));
     return op.call(grad, saved, stats, dim);
   } else {
-    static const auto op = find_op<MaskedBackwardSignature>(backward_name(kind));
+    static const auto op = find_op<SoftmaxMaskedBackwardSignature>(backward_name(kind));
     return op.call(grad, saved, stats, dim, mask);
   }
 }
@@ -57,7 +57,7 @@ at::Tensor call_backward_op(const at::Tensor& grad, const at::Tensor& saved,
 template <SoftmaxKind kind>
 std::tuple<at::Tensor, at::Tensor> call_forward_below_autograd(
     const at::Tensor& input, int64_t dim, const std::optional<at::Tensor>& mask) {
-  static const auto op = find_op<ForwardSignature>(forward_name(kind));
+  static const auto op = find_op<SoftmaxForwardSignature>(forward_name(kind));
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(input, dim, mask);
 }
@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> forward_with_autograd(const at::Tensor& input
 template <SoftmaxKind kind>
 at::Tensor distribution(const at::Tensor& input, int64_t dim, std::optional<at::ScalarType> dtype,
                         const std::optional<at::Tensor>& mask) {
-  static const auto op = find_op<ForwardSignature>(forward_name(kind));
+  static const auto op = find_op<SoftmaxForwardSignature>(forward_name(kind));
   if (!dtype.has_value()) return std::get<0>(op.call(input, dim, mask));
   // As torch: the input is cast to `dtype` first, and an explicit dtype is
   // kept under autocast (the fp32_set_opt_dtype policy leaves it alone).
@@ -155,7 +155,7 @@ at::Tensor distribution(const at::Tensor& input, int64_t dim, std::optional<at::
 
 at::Tensor logsumexp(const at::Tensor& input, int64_t dim, bool keepdim,
                      const std::optional<at::Tensor>& mask) {
-  static const auto op = find_op<ForwardSignature>(forward_name(SoftmaxKind::LogSumExp));
+  static const auto op = find_op<SoftmaxForwardSignature>(forward_name(SoftmaxKind::LogSumExp));
   at::Tensor out = std::get<0>(op.call(input, dim, mask));
   // The op has checked dim; a 0-d input keeps its 0-d result.
   if (keepdim && input.dim() > 0) out = out.unsqueeze(dim < 0 ? dim + input.dim() : dim);

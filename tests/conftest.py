@@ -53,6 +53,15 @@ def device(request):
     return request.param
 
 
+# (rtol, atol) of a Triton launcher against float64 math, for values of magnitude ~1.
+TRITON_KERNEL_TOL = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (4e-3, 1e-3),
+    torch.bfloat16: (3e-2, 1e-2),
+}
+
+
 def triton_kernel_device(kernels):
     """The device the Triton kernels of `kernels` (a nanfree._triton module) run on
     in this process: CPU tensors when they were defined under the interpreter,

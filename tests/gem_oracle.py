@@ -53,3 +53,47 @@ def gem(x, p, dim, eps, mask=None, acc=torch.float32):
     # NaN -> NaN (the tests check a NaN row's gradients by the rule directly).
     out = torch.where(has_nan, math.nan, out)
     return out
+
+
+
+def input_gradient(x, p, dim, eps, out, g, mask=None, acc=torch.float32):
+    """d(sum g * out)/dx of the oracle's finite, nonempty reductions, in closed
+    form and in the log domain: g * out^(1-p) * x^(p-1) / n for a kept entry
+    above eps, 0 elsewhere. Autograd of gem() forms it as out * exp(z - lse) / x,
+    whose middle factor underflows (1e-600 for x = [1e300, 1], p = 2) where the
+    gradient itself (7e-301) does not; this form does not."""
+    x = x.detach().to(torch.float64)
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else (mask != 0).expand(x.shape)
+    pv = p_used(p.detach() if isinstance(p, torch.Tensor) else p, acc)
+    n = keep.sum(dim=dims, keepdim=True).to(torch.float64)
+    out, g = out.detach().double(), torch.as_tensor(g, dtype=torch.float64)
+    for d in sorted(d % x.dim() for d in dims):
+        out, g = out.unsqueeze(d), g.unsqueeze(d)
+    live = keep & (x > eps) & torch.isfinite(x) & torch.isfinite(out) & (out > 0) & (g != 0)
+    safe = lambda t, fill: torch.where(live, t, fill)
+    log_mag = (torch.log(safe(g.abs().expand(x.shape), 1.0)) + (1 - pv) * torch.log(safe(out.expand(x.shape), 1.0))
+               + (pv - 1) * torch.log(safe(x, 1.0)) - torch.log(n.expand(x.shape)))
+    return torch.where(live, torch.sign(g) * torch.exp(log_mag), 0.0)
+
+# --- inputs shared by the GeM tests ----------------------------------------------------
+
+
+def plain_row(n, shift=0.0):
+    """n ordinary activations in [0.5, 2.5]."""
+    return [1.5 + math.sin(0.7 * i + shift) for i in range(n)]
+
+
+def distribution_rows(kind, b, n, gen):
+    """b rows of n float64 entries of a given shape of distribution: "sin" (plain
+    rows), "abs normal", "relu" (about half the entries clamped to eps: eps^p
+    enters p's gradient) or "log-normal" (ratios down to 1e-7)."""
+    if kind == "sin":
+        return torch.tensor([plain_row(n, 0.3 * i) for i in range(b)], dtype=torch.float64)
+    z = torch.randn(b, n, generator=gen, dtype=torch.float64)
+    if kind == "abs normal":
+        return z.abs()
+    if kind == "relu":
+        return z.clamp(min=0)
+    assert kind == "log-normal", kind
+    return torch.exp(2.0 * z)

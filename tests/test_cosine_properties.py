@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, DTYPES, HALF_DTYPES, INF, NAN
-from saved_tensors import saved_sizes
+from memory_checks import largest_allocation, saved_sizes
 from cosine_oracle import cosine, cosine_grads, normalize_grad
 from cosine_oracle import normalize as oracle_normalize
 from hypothesis import assume, given, settings
@@ -652,22 +652,6 @@ def test_empty_batches_backward(device, case):
 # --- cos_sim's backward stores no [N, M, d] tensor -------------------------------------
 
 
-def _largest_allocation(fn, device):
-    """Bytes of the largest tensor allocated while fn runs (CPU: the profiler's
-    allocation events; CUDA: the peak of the caching allocator above its start)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        fn()
-    return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
-
-
 def test_cos_sim_backward_builds_no_n_m_d_tensor(device):
     n, m, d = 32, 24, 256
     a = _randn((n, d), torch.float32, device, 16).requires_grad_(True)
@@ -683,12 +667,12 @@ def test_cos_sim_backward_builds_no_n_m_d_tensor(device):
     s, sizes = saved_sizes(broadcast)
     saved = max(sizes, default=0)
     assert saved >= n * m * d
-    assert _largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device) >= cube / 2
+    assert largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device) >= cube / 2
 
     s, sizes = saved_sizes(lambda: nf.cos_sim(a, b))
     saved = max(sizes, default=0)
     assert saved <= bound, f"cos_sim saves a tensor of {saved} elements for backward"
-    largest = _largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device)
+    largest = largest_allocation(lambda: torch.autograd.grad(s, (a, b), g), device)
     assert largest <= 8 * 4 * bound, f"cos_sim's backward allocates {largest} bytes at once"
     # And it is the gradient.
     _match_torch(nf.cos_sim, _torch_cos_sim, [a, b])

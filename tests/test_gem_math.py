@@ -9,26 +9,11 @@ import math
 import pytest
 import torch
 
+import gem_oracle
 from nanfree._torch_backend import gem as G
 
 # These call the torch mirror's functions directly (no kernel of any backend).
 pytestmark = pytest.mark.backend_independent
-
-
-def _plain(n, shift=0.0):
-    return [1.5 + math.sin(0.7 * i + shift) for i in range(n)]
-
-
-def _rows(kind, b, n, gen):
-    """b rows of n float64 entries of a given shape of distribution."""
-    if kind == "sin":
-        return torch.tensor([_plain(n, 0.3 * i) for i in range(b)], dtype=torch.float64)
-    z = torch.randn(b, n, generator=gen, dtype=torch.float64)
-    if kind == "abs normal":
-        return z.abs()
-    if kind == "relu":  # about half the entries clamped to eps: eps^p enters p's gradient
-        return z.clamp(min=0)
-    return torch.exp(2.0 * z)  # log-normal: ratios down to 1e-7
 
 
 @pytest.mark.parametrize("p", [0.01, 0.0125, 0.05, 0.5, 3.0, 64.0, 100.0])
@@ -36,7 +21,8 @@ def test_divergence_matches_float64(p):
     # D = (1/n) sum h(p log r - log mean) in float32 against float64 KL(w || uniform),
     # w = softmax(p log c): a few ulp for every p (no 1/p amplification).
     gen = torch.Generator().manual_seed(3)
-    x = torch.cat([_rows(k, 4, 40, gen) for k in ("sin", "abs normal", "relu", "log-normal")])
+    x = torch.cat([gem_oracle.distribution_rows(k, 4, 40, gen)
+                   for k in ("sin", "abs normal", "relu", "log-normal")])
     eps = 1e-6
     xf = x.float()
     pv = torch.tensor(p, dtype=torch.float32)

@@ -21,18 +21,14 @@ N = 8  # entries per reduction of the short cases
 LONG = 300 if INTERPRETED else 1000  # the long cases: special values late in the reduction
 
 
-def _plain(n, shift=0.0):
-    return [1.5 + math.sin(0.7 * i + shift) for i in range(n)]
-
-
 def _cases(dtype):
     """name: (row, p, eps, mask row or None): p a float or ('tensor', value)."""
     info = torch.finfo(dtype)
     big = {torch.float16: 6e4, torch.bfloat16: 1e38, torch.float32: 1e38,
            torch.float64: 1e300}[dtype]
-    pl = _plain(N)
+    pl = gem_oracle.plain_row(N)
     mixed = [1.0, -2.0, 0.0, 3.0, -0.0, 1e-7, 2.0, -INF]
-    long_plain = _plain(LONG)
+    long_plain = gem_oracle.plain_row(LONG)
     late_inf, late_nan, late_max = list(long_plain), list(long_plain), list(long_plain)
     late_inf[LONG - 7] = INF
     late_nan[LONG - 5] = NAN
@@ -121,7 +117,8 @@ def _setup(case, dtype, device, layout):
     for the oracle (a fresh float32 leaf); eps; mask [2, n] and the op's."""
     row, p, eps, mrow = _cases(dtype)[case]
     n = len(row)
-    held = torch.tensor([row, _plain(n, 2.0)], dtype=torch.float64).to(dtype).double()
+    held = torch.tensor([row, gem_oracle.plain_row(n, 2.0)], dtype=torch.float64)
+    held = held.to(dtype).double()
     x = held.to(dtype)
     x = (x.clone() if layout == "rows" else x.t().contiguous()).to(device).requires_grad_(True)
     mask = op_mask = None
@@ -424,18 +421,6 @@ def test_nan_stays_in_its_reduction_multi_dim(device):
 # --- p's gradient at small p: the divergence form ------------------------------------
 
 
-def _rows(kind, b, n, gen):
-    """b rows of n float64 entries of a given shape of distribution."""
-    if kind == "sin":
-        return torch.tensor([_plain(n, 0.3 * i) for i in range(b)], dtype=torch.float64)
-    z = torch.randn(b, n, generator=gen, dtype=torch.float64)
-    if kind == "abs normal":
-        return z.abs()
-    if kind == "relu":  # about half the entries clamped to eps: eps^p enters p's gradient
-        return z.clamp(min=0)
-    return torch.exp(2.0 * z)  # log-normal: ratios down to 1e-7
-
-
 def _p_grad_errors(x, p, eps, device):
     """(ours, torch's) largest per-row error of p's gradient against the oracle,
     relative to the largest exact gradient; torch's is inf where it is not finite."""
@@ -486,7 +471,7 @@ def test_p_grad_sweep_at_most_twice_torch(kind, dtype, device):
     # divergence D / p^2 has no cancellation. What is left is gem's own error,
     # the saved mean's rounding raised to 1/p, as in torch's composition.
     gen = torch.Generator().manual_seed(7)
-    x = _rows(kind, 3 if INTERPRETED else 6, 33, gen).to(dtype)
+    x = gem_oracle.distribution_rows(kind, 3 if INTERPRETED else 6, 33, gen).to(dtype)
     floor = torch.finfo(torch.float32).eps  # p's gradient is float32: one rounding
     known = []
     known_points = _known_forward_limited(device)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from conftest import DEVICES, DTYPES, INTERPRETED, acc_dtype
-from saved_tensors import saved_sizes
+from memory_checks import cpu_allocated_bytes, saved_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mnr_oracle import composed_mnr_loss
@@ -352,10 +352,6 @@ def test_reduced_backward_allocates_each_gradient_once():
     gen = torch.Generator().manual_seed(0)
     q, p = (torch.randn(64, 32, generator=gen).requires_grad_(True) for _ in range(2))
     loss = nf.mnr_loss(q, p)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        grads = torch.autograd.grad(loss, (q, p))
-    allocated = sum(e.self_cpu_memory_usage for e in prof.events()
-                    if e.self_cpu_memory_usage > 0)
+    grads, allocated = cpu_allocated_bytes(lambda: torch.autograd.grad(loss, (q, p)))
     gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
     assert gradient_bytes <= allocated <= 1.25 * gradient_bytes, (allocated, gradient_bytes)

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
-                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from conftest import (DTYPES, INF, NAN, TRITON_KERNEL_TOL, triton_kernel_device,  # noqa: E402
+                      triton_kernel_mode_matches, triton_refusal_words, triton_refused_devices)
 from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._torch_backend import cosine as R  # noqa: E402
 from nanfree._triton import cosine as K  # noqa: E402
@@ -24,13 +24,7 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (1/0, inf * 0) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-# (rtol, atol) against float64, for values of magnitude ~1.
-TOL = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-6),
-    torch.float16: (4e-3, 1e-3),
-    torch.bfloat16: (3e-2, 1e-2),
-}
+TOL = TRITON_KERNEL_TOL
 NORMALIZE_EPS = 1e-12  # F.normalize's default
 COSINE_EPS = 1e-8  # F.cosine_similarity's default
 TINY_EPS = 1e-300  # below every dtype's smallest normal: raised to it (effective_eps)

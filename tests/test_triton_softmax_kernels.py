@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import (DTYPES, INF, NAN, triton_kernel_device, triton_kernel_mode_matches,
-                      triton_refusal_words, triton_refused_devices)  # noqa: E402
+from conftest import (DTYPES, INF, NAN, TRITON_KERNEL_TOL, triton_kernel_device,  # noqa: E402
+                      triton_kernel_mode_matches, triton_refusal_words, triton_refused_devices)
 from nanfree._backends import BackendUnavailableError  # noqa: E402
 from nanfree._ops.layout import mask_layout  # noqa: E402
 from nanfree._triton import softmax as K  # noqa: E402
@@ -22,13 +22,7 @@ DEVICE = triton_kernel_device(K)
 # The interpreter evaluates both sides of tl.where (log 0, 1/0, inf - inf) in numpy.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-# (rtol, atol) against the float64 reference, for values of magnitude ~1.
-TOL = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-6),
-    torch.float16: (4e-3, 1e-3),
-    torch.bfloat16: (3e-2, 1e-2),
-}
+TOL = TRITON_KERNEL_TOL
 
 
 # ---------------------------------------------------------------- reference

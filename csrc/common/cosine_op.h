@@ -14,16 +14,6 @@
 
 namespace nanfree {
 
-// The C++ signatures of the registered ops (find_op / typed calls through the dispatcher).
-using NormalizeSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double);
-using NormalizeBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
-                                              const at::Tensor&);
-using CosineSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                           double);
-using CosineBackwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using CosSimMatrixSignature = at::Tensor(const at::Tensor&, const at::Tensor&);
-
 // The eps of cos_sim's normalization: F.normalize's default, which
 // sentence-transformers' cos_sim uses.
 constexpr double kCosSimEps = 1e-12;

@@ -16,13 +16,6 @@
 
 namespace nanfree {
 
-using GemSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
-                                                        const std::optional<at::Tensor>&, double,
-                                                        double, const std::optional<at::Tensor>&);
-using GemBackwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double,
-    const at::Tensor&, double, const std::optional<at::Tensor>&, bool);
-
 // Per-reduction statistics saved for the backward (gem_math.h): m, mean, count.
 constexpr int64_t kGemStats = 3;
 

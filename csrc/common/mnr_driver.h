@@ -46,7 +46,6 @@
 #include <utility>
 #include <vector>
 
-#include "common/cosine_op.h"
 #include "common/find_op.h"
 #include "common/mnr_op.h"
 #include "nanfree/mnr_math.h"

@@ -38,14 +38,6 @@ struct MnrProblem {
 
 constexpr int64_t kMnrStats = 2;
 
-// The ops' signatures (csrc/registration.cpp), for calls through the dispatcher.
-using MnrLossSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, int64_t,
-    int64_t, int64_t, int64_t, bool, int64_t, double, int64_t, bool);
-using MnrLossBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    double, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, bool, int64_t, double, int64_t);
-
 inline MnrProblem check_mnr_loss(const char* op, const at::Tensor& queries, const at::Tensor& docs,
                                  const std::optional<at::Tensor>& scale, double scale_value,
                                  int64_t offset, int64_t rows, int64_t owned_blocks,

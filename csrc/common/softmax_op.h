@@ -31,15 +31,6 @@ constexpr const char* backward_op_name(SoftmaxKind kind) {
                                            : "logsumexp_backward";
 }
 
-// Operator names and C++ signatures of the family's schemas (csrc/registration.cpp).
-using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t,
-                                                            const std::optional<at::Tensor>&);
-using SoftmaxBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, int64_t);
-using MaskedBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, int64_t,
-                                           const std::optional<at::Tensor>&);
-
 inline std::string forward_name(SoftmaxKind kind) {
   return std::string("nanfree::") + op_name(kind);
 }
