@@ -50,13 +50,14 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// d gem / d p summed over reductions, as p's gradient: 0 where torch.clamp's
-// gradient is (p at or beyond [1e-2, 1e2], compared in the accumulation
-// dtype the kernels clamp in), bounded by p's dtype (a sum of many large
-// terms may pass it), in p's dtype and shape. No host sync: all on p's device.
+// d gem / d p summed over reductions, as p's gradient: 0 beyond [1e-2, 1e2]
+// (compared in the accumulation dtype the kernels clamp in) and passed at the
+// bounds, as torch.clamp's gradient up to torch 2.13 (so that a p initialised
+// at a bound can learn), bounded by p's dtype (a sum of many large terms may
+// pass it), in p's dtype and shape. No host sync: all on p's device.
 at::Tensor p_gradient(const at::Tensor& dp_sum, const at::Tensor& p) {
   const at::Tensor p_acc = p.detach().reshape({}).to(dp_sum.scalar_type());
-  const at::Tensor in_range = at::logical_and(p_acc > kGemMinP, p_acc < kGemMaxP);
+  const at::Tensor in_range = at::logical_and(p_acc >= kGemMinP, p_acc <= kGemMaxP);
   at::Tensor grad = at::where(in_range, dp_sum, at::zeros_like(dp_sum));
   // The smaller of the two ranges: a float32 sum cannot be clamped with float64's bounds.
   const double big = std::min(largest_finite(p.scalar_type()), largest_finite(dp_sum.scalar_type()));

@@ -10,14 +10,34 @@ import torch
 
 from . import ops
 from ._ops import mnr as _mnr
+from ._ops.common import is_number
 
 __all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
            "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
 
 
+def _check_dim(module, dim):
+    # bool is an int to Python, not to torch.
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"nanfree.nn.{module}: `dim` must be an int, got {type(dim).__name__}")
+
+
+def _check_positive(module, name, value, allow_zero=False):
+    """A finite number > 0 (>= 0 with allow_zero), else ValueError naming the
+    module and the argument, when the module is constructed."""
+    if not is_number(value):
+        raise TypeError(f"nanfree.nn.{module}: `{name}` must be a number, got "
+                        f"{type(value).__name__}")
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not (low_ok and math.isfinite(value)):  # also refuses NaN
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"nanfree.nn.{module}: `{name}` must be finite and {bound}, got {value}")
+
+
 class _OverDim(torch.nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
+        _check_dim(type(self).__name__, dim)
         self.dim = dim
 
     def extra_repr(self) -> str:
@@ -43,6 +63,10 @@ class CosineSimilarity(torch.nn.Module):
 
     def __init__(self, dim: int = 1, eps: float = 1e-8) -> None:
         super().__init__()
+        _check_dim("CosineSimilarity", dim)
+        # eps 0 is accepted, as torch's module does (the op then uses the
+        # smallest normal number; a zero vector still gives 0).
+        _check_positive("CosineSimilarity", "eps", eps, allow_zero=True)
         self.dim = dim
         self.eps = eps
 
@@ -53,8 +77,16 @@ class CosineSimilarity(torch.nn.Module):
         return f"dim={self.dim}, eps={self.eps}"
 
 
-def _gem_p(p: float, learnable: bool):
+def _gem_p(module, p: float, eps: float, learnable: bool):
+    """The module's p (checked as the functional op checks a Python p, and, for a
+    learnable one, inside the range the op clamps a tensor p to), after eps."""
+    _check_positive(module, "eps", eps)
+    _check_positive(module, "p", p)
     if learnable:
+        if not 1e-2 <= p <= 1e2:
+            raise ValueError(f"nanfree.nn.{module}: a learnable `p` must lie in [0.01, 100], "
+                             f"the range the op clamps a tensor p to (beyond it p would not "
+                             f"learn), got {p}; pass learnable=False for a fixed p")
         # As cirtorch keeps it: Parameter(torch.ones(1) * p).
         return torch.nn.Parameter(torch.ones(1) * p)
     return float(p)
@@ -66,7 +98,7 @@ class GeM(torch.nn.Module):
 
     def __init__(self, p: float = 3.0, eps: float = 1e-6, learnable: bool = True) -> None:
         super().__init__()
-        self.p = _gem_p(p, learnable)
+        self.p = _gem_p("GeM", p, eps, learnable)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +116,7 @@ class GeMTokenPooling(torch.nn.Module):
 
     def __init__(self, p: float = 3.0, eps: float = 1e-6, learnable: bool = True) -> None:
         super().__init__()
-        self.p = _gem_p(p, learnable)
+        self.p = _gem_p("GeMTokenPooling", p, eps, learnable)
         self.eps = eps
 
     def forward(self, token_embeddings: torch.Tensor, attention_mask=None) -> torch.Tensor:
@@ -102,34 +134,55 @@ _DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 _HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
 
 
-def _check_mnr_config(scale, directions, partition_mode, hardness_mode, hardness_strength):
+def _check_mnr_config(module, scale, directions, partition_mode, hardness_mode,
+                      hardness_strength):
     """The constructor checks of sentence-transformers' MultipleNegativesRankingLoss
-    (same exception type, same meaning); returns the directions as a tuple."""
-    if not scale > 0:  # also refuses a NaN scale
-        raise ValueError(f"scale must be positive, got {scale}")
+    (same exception type, same meaning), naming the class; returns the
+    directions as a tuple."""
+    def fail(error, message):
+        return error(f"nanfree.nn.{module}: {message}")
+
+    if not isinstance(scale, torch.Tensor):
+        if not is_number(scale):
+            raise fail(TypeError, f"`scale` must be a number or a tensor, got "
+                                  f"{type(scale).__name__}")
+        if not scale > 0:  # also refuses a NaN scale
+            raise fail(ValueError, f"`scale` must be positive, got {scale}")
     if isinstance(directions, str):
-        raise ValueError(f"directions must be a tuple of direction names, got the string "
-                         f"{directions!r}; write ({directions!r},)")
-    directions = tuple(directions)
+        raise fail(ValueError, f"`directions` must be a tuple of direction names, got the "
+                               f"string {directions!r}; write ({directions!r},)")
+    try:
+        directions = tuple(directions)
+    except TypeError:
+        raise fail(TypeError, f"`directions` must be a tuple of direction names, got "
+                              f"{directions!r}") from None
     if not directions:
-        raise ValueError("directions is empty: give at least 'query_to_doc'")
-    unknown = [d for d in directions if d not in _DIRECTIONS]
+        raise fail(ValueError, "`directions` is empty: give at least 'query_to_doc'")
+    unknown = [d for d in directions if not isinstance(d, str) or d not in _DIRECTIONS]
     if unknown:
-        raise ValueError(f"unknown directions {unknown}; the directions are {list(_DIRECTIONS)}")
+        raise fail(ValueError, f"unknown `directions` {unknown}; the directions are "
+                               f"{list(_DIRECTIONS)}")
     if "query_to_doc" not in directions:
-        raise ValueError("directions must include 'query_to_doc', the direction that scores "
-                         "each query's positive")
-    if partition_mode not in ("joint", "per_direction"):
-        raise ValueError(f"partition_mode is 'joint' or 'per_direction', got {partition_mode!r}")
+        raise fail(ValueError, "`directions` must include 'query_to_doc', the direction that "
+                               "scores each query's positive")
+    if not isinstance(partition_mode, str) or partition_mode not in ("joint", "per_direction"):
+        raise fail(ValueError, f"`partition_mode` is 'joint' or 'per_direction', got "
+                               f"{partition_mode!r}")
     if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
-        raise ValueError("partition_mode='per_direction' needs the positive pair among the "
-                         "candidates of every direction, and 'query_to_query' / 'doc_to_doc' "
-                         "never hold it; use partition_mode='joint' with these directions")
-    if hardness_mode not in _HARDNESS_MODES:
-        raise ValueError(f"hardness_mode must be one of {list(_HARDNESS_MODES)}, got "
-                         f"{hardness_mode!r}")
+        raise fail(ValueError, "partition_mode='per_direction' needs the positive pair among "
+                               "the candidates of every direction, and 'query_to_query' / "
+                               "'doc_to_doc' never hold it; use partition_mode='joint' with "
+                               "these directions")
+    if not (hardness_mode is None or isinstance(hardness_mode, str)) or \
+            hardness_mode not in _HARDNESS_MODES:
+        raise fail(ValueError, f"`hardness_mode` must be one of {list(_HARDNESS_MODES)}, got "
+                               f"{hardness_mode!r}")
+    if not is_number(hardness_strength):
+        raise fail(TypeError, f"`hardness_strength` must be a number, got "
+                              f"{type(hardness_strength).__name__}")
     if not hardness_strength >= 0.0:  # also refuses NaN
-        raise ValueError(f"hardness_strength must be non-negative, got {hardness_strength}")
+        raise fail(ValueError, f"`hardness_strength` must be non-negative, got "
+                               f"{hardness_strength}")
     if hardness_mode is not None and hardness_strength == 0.0:
         warnings.warn(f"hardness_mode={hardness_mode!r} has no effect with hardness_strength=0.0; "
                       "give hardness_strength a positive value to weight hard negatives",
@@ -320,8 +373,8 @@ class MultipleNegativesRankingLoss(torch.nn.Module):
                  partition_mode="joint", hardness_mode=None, hardness_strength=0.0):
         super().__init__()
         self.model = model
-        self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
-                                            hardness_strength)
+        self.directions = _check_mnr_config(type(self).__name__, scale, directions,
+                                            partition_mode, hardness_mode, hardness_strength)
         self.scale = scale
         self.similarity_fct = similarity_fct
         self.gather_across_devices = gather_across_devices
@@ -339,7 +392,8 @@ class MultipleNegativesRankingLoss(torch.nn.Module):
         (each ``[B, d]``); ``labels`` is unused."""
         embeddings = list(embeddings)
         if len(embeddings) < 2:
-            raise ValueError(f"MNR loss needs at least 2 embedding columns (anchors and "
+            raise ValueError(f"nanfree.nn.{type(self).__name__}: the loss needs at least 2 "
+                             f"embedding columns (anchors and "
                              f"positives), got {len(embeddings)}")
         if not _is_cosine(self.similarity_fct):
             if not self._warned_composed:
@@ -414,12 +468,20 @@ class MNRLoss(torch.nn.Module):
                  partition_mode="joint", hardness_mode=None, hardness_strength=0.0,
                  reduction="mean", gather_across_devices=False, learnable_scale=False):
         super().__init__()
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"nanfree.nn.{type(self).__name__}: `symmetric` must be a bool, got "
+                            f"{symmetric!r}")
         if symmetric:
             directions, partition_mode = _mnr.SYMMETRIC
-        self.directions = _check_mnr_config(scale, directions, partition_mode, hardness_mode,
-                                            hardness_strength)
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction is 'mean', 'sum' or 'none', got {reduction!r}")
+        name = type(self).__name__
+        self.directions = _check_mnr_config(name, scale, directions, partition_mode,
+                                            hardness_mode, hardness_strength)
+        if not isinstance(reduction, str) or reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"nanfree.nn.{name}: `reduction` is 'mean', 'sum' or 'none', got "
+                             f"{reduction!r}")
+        if not isinstance(gather_across_devices, bool):
+            raise TypeError(f"nanfree.nn.{name}: `gather_across_devices` must be a bool, got "
+                            f"{gather_across_devices!r}")
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
         self.hardness_strength = hardness_strength
@@ -427,7 +489,7 @@ class MNRLoss(torch.nn.Module):
         self.gather_across_devices = gather_across_devices
         if learnable_scale:
             if not math.isfinite(float(scale)):
-                raise ValueError(f"scale must be finite, got {scale}")
+                raise ValueError(f"nanfree.nn.{name}: `scale` must be finite, got {scale}")
             self.log_scale = torch.nn.Parameter(torch.tensor(math.log(float(scale))))
         else:
             self.log_scale = None

@@ -12,6 +12,8 @@ argument: ``TypeError`` for a wrong type or dtype, ``IndexError`` for a
 not broadcast or is on another device.
 """
 
+import warnings
+
 import torch
 
 from . import _backends  # noqa: F401  (loads the kernels and registrations)
@@ -19,8 +21,9 @@ from . import _C
 from ._ops import cosine as _cosine
 from ._ops import gem as _gem
 from ._ops import mnr as _mnr
-from ._ops.common import (broadcast_mask, check_device, check_dim_type, check_eps, check_float,
-                          check_number, check_optional_tensor, check_tensors, wrap_dim)
+from ._ops.common import (as_float, broadcast_mask, check_device, check_dim_type, check_eps,
+                          check_float, check_number, check_optional_tensor, check_tensors,
+                          refuse_torch_func, wrap_dim)
 from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 
 __all__ = [
@@ -41,14 +44,28 @@ def _check_python_types(op, input, dim, dtype=None, mask=None):
     check_optional_tensor(op, "mask", mask)
 
 
+def _check_dtype_and_dim(op, dtype, dim):
+    """What the C++ entry points would take otherwise: a bool dim (as 0 or 1; torch
+    refuses it) and a dtype that is not floating (the error would blame `input`)."""
+    if dim.__class__ is bool:
+        raise TypeError(f"nanfree.{op}: `dim` must be an int, got bool")
+    if dtype is not None and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise TypeError(f"nanfree.{op}: `dtype` must be a floating dtype (float16, bfloat16, "
+                        f"float32 or float64), got {dtype}")
+
+
 def _distribution(op, entry, input, dim, dtype, mask):
     """softmax or log_softmax: the C++ entry point, or what torch.compile traces
     (the same steps through torch.ops)."""
+    _check_dtype_and_dim(op, dtype, dim)
     if not _is_compiling():
         try:
             return entry(input, dim, dtype, mask)
         except TypeError:
             _check_python_types(op, input, dim, dtype, mask)
+            raise
+        except RuntimeError:
+            refuse_torch_func(op, input)
             raise
     _check_python_types(op, input, dim, dtype, mask)
     forward = getattr(torch.ops.nanfree, op)
@@ -76,11 +93,15 @@ def logsumexp(input, dim, keepdim=False, *, mask=None):
     """``torch.logsumexp`` over ``dim`` (an int or a sequence of ints): -inf for an
     empty or fully masked set, +inf if an entry is +inf, gradient 0 for both."""
     if isinstance(dim, int):
+        _check_dtype_and_dim("logsumexp", None, dim)
         if not _is_compiling():
             try:
                 return _C.logsumexp(input, dim, keepdim, mask)
             except TypeError:
                 _check_python_types("logsumexp", input, dim, None, mask)
+                raise
+            except RuntimeError:
+                refuse_torch_func("logsumexp", input)
                 raise
         _check_python_types("logsumexp", input, dim, None, mask)
         out = torch.ops.nanfree.logsumexp(input, dim, mask)[0]
@@ -97,7 +118,11 @@ def logsumexp(input, dim, keepdim=False, *, mask=None):
     keep = broadcast_mask("logsumexp", input, mask)
     x = reduction_view(input, dims)
     m = None if keep is None else reduction_view(keep, dims)
-    out = torch.ops.nanfree.logsumexp(x, 1, m)[0]
+    try:
+        out = torch.ops.nanfree.logsumexp(x, 1, m)[0]
+    except RuntimeError:
+        refuse_torch_func("logsumexp", input)
+        raise
     return out.reshape(reduced_shape(input, dims, keepdim))
 
 
@@ -116,6 +141,7 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """``F.cosine_similarity`` (same broadcasting) with accurate norms: each vector
     is divided by max(‖x‖, eps), the result is clamped to [-1, 1], a zero vector
     gives 0, and the gradient is finite everywhere (0 for a vector below eps)."""
+    _check_dtype_and_dim("cosine_similarity", None, dim)
     if not _is_compiling():
         try:
             return _C.cosine_similarity(x1, x2, dim, eps)
@@ -124,6 +150,9 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
             check_number("cosine_similarity", "eps", eps)
             # The C++ entry point's own TypeErrors (a non-float dtype) pass through.
             check_dim_type("cosine_similarity", dim)
+            raise
+        except RuntimeError:
+            refuse_torch_func("cosine_similarity", x1, x2)
             raise
     check_tensors("cosine_similarity", x1=x1, x2=x2)
     check_number("cosine_similarity", "eps", eps)
@@ -145,6 +174,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     never overflow or underflow; a zero vector normalizes to 0 with gradient 0.
     p = 2 runs fused kernels; another p > 0 (inf included) a torch composition
     with the same rules."""
+    _check_dtype_and_dim("normalize", None, dim)
     check_number("normalize", "p", p)
     if not p > 0:
         raise ValueError(f"nanfree.normalize: `p` must be positive, got {p}")
@@ -155,6 +185,9 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
             check_tensors("normalize", input=input)
             check_number("normalize", "eps", eps)
             check_dim_type("normalize", dim)
+            raise
+        except RuntimeError:
+            refuse_torch_func("normalize", input)
             raise
     check_tensors("normalize", input=input)
     check_number("normalize", "eps", eps)
@@ -170,6 +203,25 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
         result = _cosine.normalize_p(input, float(p), dim, eps)
     if out is None:
         return result
+    return _into_out("normalize", out, result)
+
+
+def _into_out(op, out, result):
+    """result written into `out` as torch's out= does: a non-empty `out` of another
+    shape is resized with torch's warning (an empty one silently); a dtype the
+    result cannot be cast to is refused."""
+    if not torch.can_cast(result.dtype, out.dtype):
+        raise TypeError(f"nanfree.{op}: `out` is {out.dtype}, which the result's "
+                        f"{result.dtype} cannot be cast to")
+    check_device(op, "out", result, out)
+    if out.shape != result.shape:
+        if out.numel() != 0:
+            warnings.warn(f"nanfree.{op}: an output with one or more elements was resized since "
+                          f"it had shape {list(out.shape)}, which does not match the required "
+                          f"output shape {list(result.shape)}. As torch, resize `out` to 0 "
+                          "elements first (out.resize_(0)) to silence this.", UserWarning,
+                          stacklevel=3)
+        out.resize_(result.shape)
     return out.copy_(result)
 
 
@@ -182,6 +234,9 @@ def cos_sim(a, b):
             return _C.cos_sim(a, b)
         except TypeError:
             check_tensors("cos_sim", a=a, b=b)
+            raise
+        except RuntimeError:
+            refuse_torch_func("cos_sim", a, b)
             raise
     check_tensors("cos_sim", a=a, b=b)
     dtype = _common_float_dtype("cos_sim", a=a, b=b)
@@ -221,7 +276,11 @@ def gem(input, p=3.0, dim=-1, eps=1e-6, keepdim=False, *, mask=None):
     x = reduction_view(input, dims)
     m = None if keep is None else reduction_view(keep, dims)
     # The op checks the input's dtype, eps, p and a tensor p's shape and device.
-    out = torch.ops.nanfree.gem(x, p_tensor, p_value, float(eps), m)[0]
+    try:
+        out = torch.ops.nanfree.gem(x, p_tensor, p_value, as_float(eps), m)[0]
+    except RuntimeError:
+        refuse_torch_func("gem", input, p_tensor)
+        raise
     return out.reshape(reduced_shape(input, dims, keepdim))
 
 
@@ -271,6 +330,7 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     import torch.distributed as dist
 
     if gather_across_devices and dist.is_available() and dist.is_initialized():
+        _mnr.check_gather_shapes(queries, negatives, dtype)
         # Each part is gathered on its own so that the gathered docs keep the
         # layout [every rank's positives, every rank's negatives 0, ..., shared].
         parts = [_mnr.gather_with_grad(part) for part in parts]
@@ -281,6 +341,10 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
         t is not None and t.requires_grad for t in (queries, docs, scale_tensor))
     # The op normalizes the rows itself (as cos_sim does, eps 1e-12), so that no
     # normalized copy is kept for the backward.
-    return torch.ops.nanfree.mnr_loss(queries, docs, scale_tensor, scale_value, offset, rows,
-                                      len(blocks), bits, per_direction, hardness, strength, red,
-                                      wants_grad and red != 0)[0]
+    try:
+        return torch.ops.nanfree.mnr_loss(queries, docs, scale_tensor, scale_value, offset, rows,
+                                          len(blocks), bits, per_direction, hardness, strength,
+                                          red, wants_grad and red != 0)[0]
+    except RuntimeError:
+        refuse_torch_func("mnr_loss", queries, docs, scale_tensor)
+        raise

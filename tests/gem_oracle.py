@@ -7,8 +7,8 @@ Rules applied on top of the formula, per reduction:
 - no kept entry: 0 (gradients 0);
 - a kept +inf entry: +inf (gradients 0);
 - a kept NaN entry: NaN (its gradients are checked by the rule, not here);
-- a tensor p is torch.clamp'ed to [1e-2, 1e2] (autograd then zeroes its
-  gradient outside, as torch.clamp's backward does).
+- a tensor p is clamped to [1e-2, 1e2], its gradient 0 beyond the bounds and
+  passed at them (p_used).
 """
 
 import math
@@ -21,9 +21,13 @@ P_MIN, P_MAX = 1e-2, 1e2
 def p_used(p, acc=torch.float32):
     """The p the op computes with: a tensor is clamped in the op's accumulation
     dtype `acc` (float32 for fp16/bf16/fp32 inputs, float64 for float64 ones;
-    float32's bound 1e-2 is 0.0099999998), a float is taken as is."""
+    float32's bound 1e-2 is 0.0099999998), its gradient passed inside and at the
+    bounds, 0 beyond (torch.clamp's up to torch 2.13; 2.14 passes none at the
+    bounds, so the oracle spells it out); a float is taken as is."""
     if isinstance(p, torch.Tensor):
-        return torch.clamp(p.to(acc).reshape(()), P_MIN, P_MAX).double()
+        pa = p.to(acc).reshape(())
+        inside = (pa.detach() >= P_MIN) & (pa.detach() <= P_MAX)
+        return torch.where(inside, pa, pa.detach().clamp(P_MIN, P_MAX)).double()
     return torch.tensor(float(p), dtype=torch.float64)
 
 

@@ -201,3 +201,59 @@ def test_gather_without_process_group_is_local():
         torch.testing.assert_close(nf.mnr_loss(q, p, hard, gather_across_devices=True, **kwargs),
                                    nf.mnr_loss(q, p, hard, **kwargs))
 
+
+
+# Per case, what rank 1 holds differently from rank 0 (B = 4, d = 8, float32, no negatives).
+UNEQUAL = {
+    "batch size": dict(b=3),
+    "embedding size": dict(d=6),
+    "dtype": dict(dtype=torch.float64),
+    "hard negatives": dict(k=1),
+    "hard negative count": dict(k=2, k0=1),
+    "shared negatives": dict(shared=2, shared0=3),
+}
+
+
+def _unequal_worker(rank, init_file):
+    """Each case: both ranks must raise the same ValueError (no crash, no hang)
+    before any data is gathered; then a gathered call with equal ranks works."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=30))
+    failures = []
+    try:
+        for name, case in UNEQUAL.items():
+            mine = case if rank == 1 else {k[:-1]: v for k, v in case.items() if k.endswith("0")}
+            b, d = mine.get("b", B), mine.get("d", D)
+            dtype = mine.get("dtype", torch.float32)
+            q, p = torch.randn(b, d, dtype=dtype), torch.randn(b, d, dtype=dtype)
+            negatives = None
+            if mine.get("k"):
+                negatives = torch.randn(b, mine["k"], d, dtype=dtype)
+            elif mine.get("shared"):
+                negatives = torch.randn(mine["shared"], d, dtype=dtype)
+            try:
+                nf.mnr_loss(q, p, negatives, gather_across_devices=True)
+                failures.append(f"{name}: no error")
+            except ValueError as error:
+                if "the same batch size, embedding size, negatives and dtype" not in str(error) \
+                        or "rank 1:" not in str(error):
+                    failures.append(f"{name}: unclear error {error}")
+        q, p = torch.randn(B, D), torch.randn(B, D)
+        with warnings.catch_warnings():
+            # A gathered call warns nothing (torch's deprecated collectives did).
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", UserWarning)
+            loss = nf.mnr_loss(q.requires_grad_(True), p, gather_across_devices=True)
+            loss.backward()
+        if not torch.isfinite(loss):
+            failures.append(f"equal ranks: loss {loss}")
+    finally:
+        dist.destroy_process_group()
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    _exit_without_finalizing()
+
+
+def test_unequal_ranks_are_refused_on_every_rank(tmp_path):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.spawn(_unequal_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)

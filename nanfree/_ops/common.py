@@ -5,6 +5,7 @@ that nanfree.ops makes before calling an op (the C++ entry points only say
 that a call did not match), and the accumulation dtype."""
 
 import math
+import numbers
 
 import torch
 
@@ -27,8 +28,35 @@ def check_device(op, name, ref, t, ref_name="input"):
             f"nanfree.{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
 
 
+def is_symbolic(value):
+    """Whether a Python number's value is left for the op to check when it runs:
+    while torch.compile traces (a float that changed between calls is then a
+    symbolic SymFloat, whose value a check cannot read without breaking the
+    graph), or in a fake kernel given a SymFloat or SymInt."""
+    return torch.compiler.is_compiling() or isinstance(
+        value, (torch.SymFloat, torch.SymInt, torch.SymBool))
+
+
+def is_number(value):
+    """A real number as torch takes one: int, float, numpy scalars, symbolic
+    numbers; not bool (torch refuses bool where it wants a number)."""
+    if isinstance(value, (bool, torch.SymBool)) or type(value).__name__ == "bool_":
+        return False
+    return isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt))
+
+
+def as_float(value):
+    """A Python float of a number (numpy scalars included); while compiling, a
+    float as it is (float() could make torch.compile specialize on its value)."""
+    if isinstance(value, float) or (is_symbolic(value) and not isinstance(value, int)):
+        return value
+    return float(value)
+
+
 def check_eps(op, eps):
-    if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
+    if is_symbolic(eps):
+        return  # checked by the op when it runs
+    if not (is_number(eps) and 0 < eps < math.inf):
         raise ValueError(f"nanfree.{op}: `eps` must be positive and finite, got {eps!r}")
 
 
@@ -76,13 +104,28 @@ def check_optional_tensor(op, name, t):
 
 
 def check_number(op, name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"nanfree.{op}: `{name}` must be a number, got {type(value).__name__}")
 
 
 def check_dim_type(op, dim):
-    if not isinstance(dim, int):
+    # bool is an int to Python, not to torch.
+    if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
+
+
+def refuse_torch_func(op, *tensors):
+    """After an op failed with a RuntimeError: if an argument is one of torch.func's
+    wrapped tensors (grad, vjp, jacrev, vmap), raises a NotImplementedError that
+    names the op and the alternative instead of the dispatcher's words. nanfree's
+    ops define their autograd as C++ (or Python) autograd Functions, which
+    torch.func's transforms do not run."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(isinstance(t, torch.Tensor) and wrapped(t) for t in tensors):
+        raise NotImplementedError(
+            f"nanfree.{op}: torch.func transforms (grad, vjp, jacrev, vmap, functional_call "
+            f"under grad) do not run nanfree's ops, whose gradients are autograd Functions; "
+            f"take gradients with torch.autograd.grad (or loss.backward()) instead") from None
 
 
 def fake_kernels(pairs):

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .common import acc_dtype, check_device, check_eps, check_float, fake_kernels
+from .common import (acc_dtype, as_float, check_device, check_eps, check_float, fake_kernels,
+                     is_number, is_symbolic)
 
 FORWARD_OPS = ("gem",)
 BACKWARD_OPS = ("gem_backward",)
@@ -27,7 +28,7 @@ def check_gem_p(op, input, p, p_value):
             raise ValueError(f"nanfree.{op}: a tensor `p` must have shape [] or [1], got "
                              f"{list(p.shape)}")
         check_device(op, "p", input, p)
-    elif not (math.isfinite(p_value) and p_value > 0):
+    elif not is_symbolic(p_value) and not (math.isfinite(p_value) and p_value > 0):
         # A Python p is used as is: pow(mean, 1/p) needs a finite p > 0.
         raise ValueError(f"nanfree.{op}: `p` must be finite and > 0, got {p_value}")
 
@@ -81,9 +82,9 @@ def torch_style_p(p):
     checks the values (a Python p finite and > 0, a tensor p's shape)."""
     if isinstance(p, torch.Tensor):
         return p, 0.0
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if not is_number(p):
         raise TypeError(f"nanfree.gem: `p` must be a number or a tensor, got {type(p).__name__}")
-    return None, float(p)
+    return None, as_float(p)
 
 
 # --- shared by both Python backends --------------------------------------------------

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import acc_dtype, check_device, check_float, check_number, check_tensors, fake_kernels
+from .common import (acc_dtype, as_float, check_device, check_float, check_number, check_tensors,
+                     fake_kernels, is_symbolic)
 
 FORWARD_OPS = ("mnr_loss",)
 BACKWARD_OPS = ("mnr_loss_backward",)
@@ -83,7 +84,7 @@ def check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks
             raise ValueError(f"nanfree.{op}: a tensor `scale` must have one element, got shape "
                              f"{list(scale.shape)}")
         check_device(op, "scale", queries, scale, "queries")
-    elif not (math.isfinite(scale_value) and scale_value > 0):
+    elif not is_symbolic(scale_value) and not (math.isfinite(scale_value) and scale_value > 0):
         raise ValueError(f"nanfree.{op}: `scale` must be positive and finite, got {scale_value}")
     if not (rows >= 1 and offset >= 0 and offset + rows <= r):
         raise ValueError(f"nanfree.{op}: local rows [{offset}, {offset + rows}) are not within "
@@ -98,7 +99,8 @@ def check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks
                          "query_to_query or doc_to_doc")
     if hardness_mode not in (0, 1, 2, 3):
         raise ValueError(f"nanfree.{op}: `hardness_mode` {hardness_mode} is not 0-3")
-    if not (math.isfinite(hardness_strength) and hardness_strength >= 0):
+    if not is_symbolic(hardness_strength) and not (math.isfinite(hardness_strength)
+                                                   and hardness_strength >= 0):
         raise ValueError(f"nanfree.{op}: `hardness_strength` must be finite and >= 0, got "
                          f"{hardness_strength}")
     if reduction not in (REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM):
@@ -109,7 +111,7 @@ def check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks
                       doc_to_query=bool(directions & DOC_TO_QUERY),
                       doc_to_doc=bool(directions & DOC_TO_DOC),
                       per_direction=bool(per_direction), hardness_mode=hardness_mode,
-                      hardness_strength=float(hardness_strength), reduction=reduction)
+                      hardness_strength=as_float(hardness_strength), reduction=reduction)
 
 
 def loss_shape(problem):
@@ -329,45 +331,62 @@ DEFAULT_DIRECTIONS = ("query_to_doc",)
 SYMMETRIC = (("query_to_doc", "doc_to_query"), "per_direction")
 
 
+def _is_bool(value):
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
+
+
 def torch_style_options(symmetric, directions, partition_mode, hardness_mode, hardness_strength,
                  reduction):
     """The op's integer options, after sentence-transformers' checks."""
     op = "mnr_loss"
+    if not _is_bool(symmetric):
+        raise TypeError(f"nanfree.{op}: `symmetric` must be a bool, got {symmetric!r}")
     if symmetric:
         if tuple(directions) != DEFAULT_DIRECTIONS or partition_mode != "joint":
             raise ValueError(f"nanfree.{op}: `symmetric=True` sets directions and "
                              "partition_mode; do not pass them too")
         directions, partition_mode = SYMMETRIC
-    if isinstance(directions, str) or not directions:
+    if isinstance(directions, str):
+        raise ValueError(f"nanfree.{op}: `directions` must be a non-empty sequence of "
+                         f"{sorted(DIRECTIONS)}, got the string {directions!r}; write "
+                         f"({directions!r},)")
+    try:
+        directions = tuple(directions)
+    except TypeError:
+        raise TypeError(f"nanfree.{op}: `directions` must be a sequence of direction names "
+                        f"{sorted(DIRECTIONS)}, got {directions!r}") from None
+    if not directions:
         raise ValueError(f"nanfree.{op}: `directions` must be a non-empty sequence of "
                          f"{sorted(DIRECTIONS)}, got {directions!r}")
-    unknown = set(directions) - set(DIRECTIONS)
+    unknown = [d for d in directions if not isinstance(d, str) or d not in DIRECTIONS]
     if unknown:
-        raise ValueError(f"nanfree.{op}: unknown `directions` {sorted(unknown)}; valid: "
+        raise ValueError(f"nanfree.{op}: unknown `directions` {unknown}; valid: "
                          f"{sorted(DIRECTIONS)}")
     if "query_to_doc" not in directions:
         raise ValueError(f"nanfree.{op}: `directions` must include 'query_to_doc' (it holds "
                          "the positive pair)")
-    if partition_mode not in ("joint", "per_direction"):
+    if not isinstance(partition_mode, str) or partition_mode not in ("joint", "per_direction"):
         raise ValueError(f"nanfree.{op}: `partition_mode` must be 'joint' or 'per_direction', "
                          f"got {partition_mode!r}")
     if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
         raise ValueError(f"nanfree.{op}: partition_mode='per_direction' needs every direction "
                          "to hold the positive pair; 'query_to_query' and 'doc_to_doc' do not "
                          "(use partition_mode='joint')")
-    if hardness_mode not in HARDNESS:
+    if not (hardness_mode is None or isinstance(hardness_mode, str)) or \
+            hardness_mode not in HARDNESS:
         raise ValueError(f"nanfree.{op}: `hardness_mode` must be one of "
                          f"{list(HARDNESS)}, got {hardness_mode!r}")
     check_number(op, "hardness_strength", hardness_strength)
-    if not (math.isfinite(hardness_strength) and hardness_strength >= 0):
+    if not is_symbolic(hardness_strength) and not (math.isfinite(hardness_strength)
+                                                   and hardness_strength >= 0):
         raise ValueError(f"nanfree.{op}: `hardness_strength` must be finite and >= 0, got "
                          f"{hardness_strength}")
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"nanfree.{op}: `reduction` must be 'mean', 'sum' or 'none', got "
                          f"{reduction!r}")
     bits = sum(DIRECTIONS[d] for d in set(directions))
     hardness = HARDNESS[hardness_mode] if hardness_strength > 0 else 0
-    return bits, partition_mode == "per_direction", hardness, float(hardness_strength), \
+    return bits, partition_mode == "per_direction", hardness, as_float(hardness_strength), \
         REDUCTIONS[reduction]
 
 
@@ -384,9 +403,9 @@ def torch_style_scale(scale, ref):
         check_device(op, "scale", ref, scale, "queries")
         return scale, 0.0
     check_number(op, "scale", scale)
-    if not (math.isfinite(scale) and scale > 0):
+    if not is_symbolic(scale) and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"nanfree.{op}: `scale` must be positive and finite, got {scale}")
-    return None, float(scale)
+    return None, as_float(scale)
 
 
 def check_torch_style_embeddings(queries, positives, negatives):
@@ -437,10 +456,65 @@ def cat_rows(parts):
     return torch.cat(parts)
 
 
+_GATHER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_gather_shapes(queries, negatives, dtype):
+    """Before any data is gathered: every rank's (B, d, negatives' layout and
+    count, dtype), in one small all_gather, so that unequal ranks all raise the
+    same ValueError instead of crashing in the collective (unequal sizes) or
+    hanging (an unequal number of gathers)."""
+    import torch.distributed as dist
+
+    kind, count = (0, 0) if negatives is None else (negatives.dim() - 1, negatives.shape[-2])
+    mine = torch.tensor([queries.shape[0], queries.shape[1], kind, count,
+                         _GATHER_DTYPES.index(dtype)], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        mine = mine.to(queries.device)  # NCCL gathers CUDA tensors only
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = [tuple(int(v) for v in t.tolist()) for t in every]
+    if len(set(rows)) == 1:
+        return
+
+    def describe(rank, row):
+        b, d, kind, count, code = row
+        negatives = ("no negatives", f"k = {count} hard negatives",
+                     f"{count} shared negatives")[kind]
+        return f"rank {rank}: B = {b}, d = {d}, {negatives}, {_GATHER_DTYPES[code]}"
+
+    raise ValueError("nanfree.mnr_loss: gather_across_devices=True needs the same batch size, "
+                     "embedding size, negatives and dtype on every rank; got " +
+                     "; ".join(describe(r, row) for r, row in enumerate(rows)))
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows of t, concatenated in rank order. Backward: every rank's
+    loss depends on every rank's rows, so the gradients of the whole gathered
+    tensor are summed over ranks (one all_reduce) and each rank keeps its own
+    rows: what torch.distributed.nn.all_gather's backward gives, without its
+    deprecation warnings, and on gloo too."""
+
+    @staticmethod
+    def forward(ctx, t):
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        ctx.rows, ctx.rank = t.shape[0], dist.get_rank()
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total)
+        return total[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+
+
 def gather_with_grad(t):
     """Every rank's rows, concatenated in rank order; the gradient of each
-    rank's rows flows back to that rank (torch.distributed.nn.all_gather, as
-    sentence-transformers gathers)."""
-    import torch.distributed.nn
-
-    return torch.cat(torch.distributed.nn.all_gather(t), dim=0)
+    rank's rows flows back to that rank (as sentence-transformers gathers)."""
+    return _GatherRows.apply(t)

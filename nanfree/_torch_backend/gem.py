@@ -41,8 +41,8 @@ def gem_clamp_p(p):
 
 
 def gem_p_in_range(p):
-    """torch.clamp's gradient mask: p strictly inside (1e-2, 1e2)."""
-    return (p > GEM_MIN_P) & (p < GEM_MAX_P)
+    """Whether p passes its gradient: inside [1e-2, 1e2] or at a bound."""
+    return (p >= GEM_MIN_P) & (p <= GEM_MAX_P)
 
 
 def clamp_to_eps(x, eps):

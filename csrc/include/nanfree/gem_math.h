@@ -21,7 +21,7 @@
 //   gradients and the gradient of p are NaN; clamped entries (at or below eps,
 //   as torch.clamp's) and masked entries always get gradient 0.
 // - A tensor p is clamped to [1e-2, 1e2] (gem_clamp_p); its gradient is 0
-//   outside and at the bounds (gem_p_in_range), as torch.clamp's.
+//   beyond the bounds and passed at them (gem_p_in_range).
 //
 // Backward, for the stable quantities (r, mean, gem) and incoming g:
 //   dgem/dx_i = mean^(1/p - 1) * r_i^(p - 1) / n           (kept, x_i > eps)
@@ -58,11 +58,13 @@ NF_HOST_DEVICE T gem_clamp_p(T p) {
   return p < T(kGemMinP) ? T(kGemMinP) : (p > T(kGemMaxP) ? T(kGemMaxP) : p);
 }
 
-// Whether a tensor p lies strictly inside the clamp (torch.clamp's gradient
-// mask is 0 at and beyond the bounds): otherwise p's gradient is 0.
+// Whether a tensor p passes its gradient: inside the clamp or at a bound, as
+// torch.clamp's gradient mask up to torch 2.13 (2.14 passes none at the
+// bounds; a p initialised at 100 could then never move). Beyond, 0.
+// csrc/gem.cpp's p_gradient applies it to the tensor p.
 template <typename T>
 NF_HOST_DEVICE bool gem_p_in_range(T p) {
-  return p > T(kGemMinP) && p < T(kGemMaxP);
+  return p >= T(kGemMinP) && p <= T(kGemMaxP);
 }
 
 // max(x, eps) as torch.clamp(x, min=eps): negatives, zeros and -inf become

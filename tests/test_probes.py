@@ -1,0 +1,269 @@
+"""Probes a hostile user tried on the landed ops, kept so that they stay fixed:
+Python floats that change between calls of a compiled function, huge upstream
+gradients on every op, values at a clamp bound, arguments that must be refused
+clearly (naming the op or class and the argument), and scalars torch takes.
+Every backend: each probe calls the kernels of the pass's backend."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES, INTERPRETED
+
+import nanfree.nn as nfnn
+import nanfree.ops as nf
+
+COMPILE_SKIP = pytest.mark.skipif(
+    INTERPRETED, reason="compiling around interpreted Triton kernels adds nothing")
+
+
+# --- a changing Python float under torch.compile ------------------------------------
+
+
+def _embeddings(device, b=6, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, d, generator=gen).to(device).requires_grad_(True)
+    p = torch.randn(b, d, generator=gen).to(device).requires_grad_(True)
+    return q, p
+
+
+def _compiled_twice(fn, values, *args, dynamic=None):
+    """fn(*args, value) compiled (fullgraph) and eager, for each value in turn:
+    the second value makes torch.compile recompile with the float symbolic."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    for value in values:
+        got = compiled(*args, value)
+        want = fn(*args, value)
+        torch.testing.assert_close(got, want)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), leaves),
+                                   torch.autograd.grad(want.sum(), leaves))
+
+
+@COMPILE_SKIP
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_mnr_changing_scale_and_strength_under_compile(device, dynamic):
+    q, p = _embeddings(device)
+    _compiled_twice(lambda q, p, s: nf.mnr_loss(q, p, scale=s), [20.0, 30.0, 7.5], q, p,
+                    dynamic=dynamic)
+    _compiled_twice(lambda q, p, h: nf.mnr_loss(q, p, hardness_mode="all_negatives",
+                                                hardness_strength=h),
+                    [1.0, 2.0, 3.5], q, p, dynamic=dynamic)
+
+
+@COMPILE_SKIP
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_gem_changing_p_under_compile(device, dynamic):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(2, 3, 4, 4, generator=gen).to(device).requires_grad_(True)
+    _compiled_twice(lambda x, p: nf.gem(x, p, dim=(-2, -1)), [3.0, 2.5, 4.0], x, dynamic=dynamic)
+    _compiled_twice(lambda x, p: nf.gem_pool2d(x, p), [3.0, 2.5, 4.0], x, dynamic=dynamic)
+    _compiled_twice(lambda x, eps: nf.gem_pool2d(x, 3.0, eps), [1e-6, 1e-3], x, dynamic=dynamic)
+
+
+@COMPILE_SKIP
+@pytest.mark.parametrize("device", DEVICES)
+def test_other_floats_under_compile(device):
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 8, generator=gen).to(device).requires_grad_(True)
+    b = torch.randn(4, 8, generator=gen).to(device).requires_grad_(True)
+    _compiled_twice(lambda a, b, eps: nf.cosine_similarity(a, b, 1, eps), [1e-8, 1e-6], a, b)
+    _compiled_twice(lambda a, eps: nf.normalize(a, 2.0, 1, eps), [1e-12, 1e-6], a)
+    _compiled_twice(lambda a, p: nf.normalize(a, p, 1), [3.0, 1.5], a)
+
+
+@COMPILE_SKIP
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_bad_float_still_refused(device):
+    """Under compile the op checks the value (at run time): a bad float is still a
+    clear error, not a wrong result."""
+    q, p = _embeddings(device)
+    x = torch.rand(2, 3, 4, 4).to(device)
+    torch._dynamo.reset()
+    gem = torch.compile(lambda x, p: nf.gem_pool2d(x, p), fullgraph=True)
+    gem(x, 3.0)
+    gem(x, 2.0)
+    with pytest.raises(Exception, match=r"`p` must be finite and > 0"):
+        gem(x, -1.0)
+    mnr = torch.compile(lambda q, p, s: nf.mnr_loss(q, p, scale=s), fullgraph=True)
+    mnr(q, p, 20.0)
+    mnr(q, p, 10.0)
+    with pytest.raises(Exception, match=r"`scale` must be"):
+        mnr(q, p, math.inf)
+
+
+# --- GeM: a tensor p at its clamp bounds; modules that check when constructed -------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bound", [1e-2, 1e2])
+def test_gem_p_gradient_passes_at_the_clamp_bounds(device, dtype, bound):
+    """p exactly at a bound (in its dtype) gets d gem / d p (a learnable p
+    initialised at 100 must be able to move); just outside it gets 0."""
+    x = torch.tensor([[0.5, 1.0, 1.5, 2.0]], dtype=dtype, device=device)
+    outside = bound * 1.01 if bound > 1 else bound * 0.99
+    p = torch.tensor([outside], dtype=dtype, device=device, requires_grad=True)
+    (grad,) = torch.autograd.grad(nf.gem(x, p, dim=-1).sum(), p)
+    assert grad.item() == 0, grad
+    # The value at the bound: the derivative of the formula itself.
+    p = torch.tensor([bound], dtype=dtype, device=device, requires_grad=True)
+    (grad,) = torch.autograd.grad(nf.gem(x, p, dim=-1).sum(), p)
+    pd = torch.tensor(float(p.detach().item()), dtype=torch.float64, requires_grad=True)
+    ref = (x.double().pow(pd).mean(-1)).pow(1 / pd).sum()
+    (want,) = torch.autograd.grad(ref, pd)
+    torch.testing.assert_close(grad.double().reshape(()), want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("module", [nfnn.GeM, nfnn.GeMTokenPooling])
+@pytest.mark.parametrize("learnable", [True, False])
+@pytest.mark.parametrize("p", [0.0, -1.0, math.inf, -math.inf, math.nan])
+def test_gem_modules_refuse_a_bad_p_when_constructed(module, learnable, p):
+    with pytest.raises(ValueError, match=rf"nanfree.nn.{module.__name__}: `p` must be"):
+        module(p=p, learnable=learnable)
+
+
+@pytest.mark.parametrize("module", [nfnn.GeM, nfnn.GeMTokenPooling])
+def test_gem_modules_refuse_a_learnable_p_the_op_would_clamp(module):
+    for p in (5e-3, 200.0):
+        with pytest.raises(ValueError, match=r"\[0.01, 100\]"):
+            module(p=p)
+    module(p=200.0, learnable=False)  # a fixed p is used as is, like the functional op
+    module(p=100.0)
+    module(p=0.01)
+
+
+@pytest.mark.parametrize("module", [nfnn.GeM, nfnn.GeMTokenPooling])
+@pytest.mark.parametrize("eps", [0.0, -1.0, math.inf, math.nan])
+def test_gem_modules_refuse_a_bad_eps_when_constructed(module, eps):
+    with pytest.raises(ValueError, match=rf"nanfree.nn.{module.__name__}: `eps` must be"):
+        module(eps=eps)
+
+
+@pytest.mark.parametrize("eps", [-1.0, math.inf, math.nan])
+def test_cosine_similarity_module_refuses_a_bad_eps_when_constructed(eps):
+    with pytest.raises(ValueError, match=r"nanfree.nn.CosineSimilarity: `eps` must be"):
+        nfnn.CosineSimilarity(eps=eps)
+    with pytest.raises(TypeError, match=r"nanfree.nn.CosineSimilarity: `dim` must be an int"):
+        nfnn.CosineSimilarity(dim=True)
+    nfnn.CosineSimilarity(eps=0.0)  # torch's accepts eps = 0 (a zero vector then gives 0 here)
+
+
+@pytest.mark.parametrize("module", [nfnn.Softmax, nfnn.LogSoftmax])
+def test_distribution_modules_refuse_a_bool_dim(module):
+    with pytest.raises(TypeError, match=rf"nanfree.nn.{module.__name__}: `dim` must be an int"):
+        module(dim=True)
+
+
+# --- clear errors: the op or class and the argument named --------------------------
+
+
+def _q_p(b=3, d=4):
+    return torch.randn(b, d), torch.randn(b, d)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(directions=1), TypeError, r"`directions` must be a sequence"),
+    (dict(directions=["query_to_doc", 3]), ValueError, r"unknown `directions`"),
+    (dict(hardness_mode=["in_batch_negatives"]), ValueError, r"`hardness_mode` must be one of"),
+    (dict(hardness_mode="in_batch_negatives", hardness_strength="1"), TypeError,
+     r"`hardness_strength` must be a number"),
+    (dict(symmetric="no"), TypeError, r"`symmetric` must be a bool"),
+    (dict(partition_mode=["joint"]), ValueError, r"`partition_mode` must be"),
+    (dict(reduction=["mean"]), ValueError, r"`reduction` must be"),
+    (dict(gather_across_devices="yes"), TypeError, r"`gather_across_devices` must be a bool"),
+])
+def test_mnr_loss_bad_options_name_the_argument(kwargs, error, words):
+    q, p = _q_p()
+    with pytest.raises(error, match=r"nanfree.mnr_loss: .*" + words):
+        nf.mnr_loss(q, p, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(scale=-1.0), r"`scale` must be positive"),
+    (dict(directions="query_to_doc"), r"`directions` must be"),
+    (dict(hardness_mode="nope"), r"`hardness_mode` must be one of"),
+    (dict(hardness_strength=-1.0), r"`hardness_strength` must be"),
+])
+@pytest.mark.parametrize("module", [nfnn.MNRLoss, nfnn.MultipleNegativesRankingLoss])
+def test_mnr_modules_name_the_class(module, kwargs, words):
+    args = () if module is nfnn.MNRLoss else (None,)
+    with pytest.raises((ValueError, TypeError), match=rf"nanfree.nn.{module.__name__}: .*{words}"):
+        module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", [nf.softmax, nf.log_softmax])
+def test_distribution_non_float_dtype_names_dtype(device, op):
+    x = torch.randn(2, 3, device=device)
+    with pytest.raises(TypeError, match=rf"nanfree.{op.__name__}: `dtype` must be a floating"):
+        op(x, -1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_dim_is_refused_like_torch(device):
+    x = torch.randn(2, 3, device=device)
+    for call in (lambda: nf.softmax(x, True), lambda: nf.log_softmax(x, True),
+                 lambda: nf.logsumexp(x, True), lambda: nf.cosine_similarity(x, x, True),
+                 lambda: nf.normalize(x, dim=True), lambda: nf.gem(x.abs(), dim=True)):
+        with pytest.raises(TypeError, match=r"`dim` must be an int"):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_normalize_out_of_another_shape_is_resized_with_a_warning(device):
+    x = torch.randn(3, 4, device=device)
+    out = torch.empty(5, device=device)
+    with pytest.warns(UserWarning, match=r"resized"):
+        got = nf.normalize(x, out=out)
+    assert got is out and out.shape == x.shape
+    torch.testing.assert_close(out, torch.nn.functional.normalize(x))
+    empty = torch.empty(0, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # an empty out is resized silently, as torch's
+        nf.normalize(x, out=empty)
+    with pytest.raises(TypeError, match=r"nanfree.normalize: `out`"):
+        nf.normalize(x, out=torch.empty(3, 4, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_numpy_scalars_are_numbers(device):
+    """torch takes numpy scalars wherever it takes a Python number; so does nanfree."""
+    x = torch.rand(2, 3, 4, 4, device=device) + 0.1
+    torch.testing.assert_close(nf.gem_pool2d(x, np.float32(3.0), np.float64(1e-6)),
+                               nf.gem_pool2d(x, 3.0, 1e-6))
+    torch.testing.assert_close(nf.gem(x, np.int64(2), dim=-1), nf.gem(x, 2.0, dim=-1))
+    a = x.reshape(4, -1)
+    torch.testing.assert_close(nf.cosine_similarity(a, a.flip(0), 1, np.float32(1e-8)),
+                               nf.cosine_similarity(a, a.flip(0), 1, 1e-8))
+    torch.testing.assert_close(nf.normalize(a, np.float32(2.0), 1, np.float64(1e-12)),
+                               nf.normalize(a, 2.0, 1, 1e-12))
+    q, p = a[:2], a[2:]
+    torch.testing.assert_close(nf.mnr_loss(q, p, scale=np.float32(10.0)),
+                               nf.mnr_loss(q, p, scale=10.0))
+    nfnn.GeM(p=np.float32(3.0))
+    nfnn.CosineSimilarity(eps=np.float64(1e-8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_is_refused_naming_the_op(device):
+    """torch.func's transforms: refused with the op's name and the alternative
+    (torch.autograd.grad), not an error from inside the dispatcher."""
+    x = torch.randn(2, 3, device=device)
+    calls = {"softmax": lambda t: nf.softmax(t, -1).sum(),
+             "cosine_similarity": lambda t: nf.cosine_similarity(t, t.flip(0)).sum(),
+             "gem": lambda t: nf.gem(t.abs() + 0.1, dim=-1).sum(),
+             "mnr_loss": lambda t: nf.mnr_loss(t, t.flip(0)),
+             "log_softmax": lambda t: nf.log_softmax(t, 0).sum(),
+             "logsumexp": lambda t: nf.logsumexp(t, (0, 1)),
+             "normalize": lambda t: nf.normalize(t).sum(),
+             "cos_sim": lambda t: nf.cos_sim(t, t).sum()}
+    for name, fn in calls.items():
+        with pytest.raises(NotImplementedError, match=rf"nanfree.{name}: .*torch.func.*"
+                                                      r"torch.autograd.grad"):
+            torch.func.grad(fn)(x)
