@@ -267,3 +267,40 @@ def test_torch_func_is_refused_naming_the_op(device):
         with pytest.raises(NotImplementedError, match=rf"nanfree.{name}: .*torch.func.*"
                                                       r"torch.autograd.grad"):
             torch.func.grad(fn)(x)
+
+
+# --- bfloat16 outputs rounded to nearest even on every backend -------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_outputs_round_to_nearest_even(device):
+    """Each bfloat16 output is the float32 result rounded to nearest even, as
+    torch's conversion and compiled Triton's store round it. Triton's
+    interpreter truncates in a plain store: about half the entries would
+    differ by one bfloat16 step, and softmax of [0, 0, 0] would give 0.33203125
+    instead of 0.333984375 (1/3 = 0x3EAAAAAB in float32)."""
+    third = torch.zeros(2, 3, dtype=torch.bfloat16, device=device)
+    assert (nf.softmax(third, -1) == torch.tensor(1 / 3).to(torch.bfloat16)).all()
+    assert (nf.softmax(third.t(), 0) == torch.tensor(1 / 3).to(torch.bfloat16)).all()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 50, generator=gen).to(torch.bfloat16).to(device)
+    g = torch.randn(64, 50, generator=gen).to(torch.bfloat16).to(device)
+    for ours, theirs in ((nf.softmax, torch.softmax), (nf.log_softmax, torch.log_softmax)):
+        for dim in (1, 0):
+            xs = x.detach().requires_grad_(True)
+            got = ours(xs, dim)
+            (got_grad,) = torch.autograd.grad(got, xs, g)
+            # The backward's float32 math from the saved bfloat16 output, as the kernels do it.
+            y, gf = got.detach().float(), g.float()
+            if ours is nf.softmax:
+                want_grad = y * (gf - (gf * y).sum(dim, keepdim=True))
+            else:
+                want_grad = gf - torch.exp(y) * gf.sum(dim, keepdim=True)
+            for what, a, b in (("output", got, theirs(x.float(), dim)),
+                               ("gradient", got_grad, want_grad)):
+                same = (a == b.to(torch.bfloat16)).float().mean().item()
+                # float32 results of another summation order may differ by one
+                # step at a rounding boundary; truncation would give about 0.5.
+                assert same > 0.95, f"{ours.__name__} dim {dim} {what}: {same:.3f} round as torch"
+    lse = nf.logsumexp(x, 1)
+    assert (lse == torch.logsumexp(x.float(), 1).to(torch.bfloat16)).float().mean() > 0.95

@@ -45,6 +45,7 @@ from .._ops.layout import mask_layout, problem_shape
 from .._ops.softmax import check_backward, check_forward, row_shape, stats_shape
 from . import common
 from .common import device_guard
+from .element_io import store_rounded, store_saturated, widen
 from .numerics import lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value
 
 # Forward modes (kernel constexpr).
@@ -174,7 +175,7 @@ def _load_logits(x_ptrs, mask_row, mask_col_stride, cols, inside, ACC: tl.conste
                  HAS_MASK: tl.constexpr):
     """masked_value(x, keep) in the accumulation dtype (-inf outside the problem)."""
     keep = _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK)
-    x = tl.load(x_ptrs, mask=inside, other=0.0).to(ACC)
+    x = widen(x_ptrs, 0, inside).to(ACC)
     return masked_value(x, keep)
 
 
@@ -244,20 +245,19 @@ def _forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols,
     tl.store(stats_ptr + 2 * row + 1, log_sum)
 
     if MODE == LOGSUMEXP:
-        tl.store(out_ptr + row, lse_value(row_max, row_sum).to(out_ptr.dtype.element_ty))
+        store_rounded(out_ptr, row, lse_value(row_max, row_sum), None)
     else:
         aux = _output_aux(row_sum, log_sum, MODE)
-        out_ty = out_ptr.dtype.element_ty
         if SINGLE_BLOCK:
             y = _output_value(x, row_max, aux, MODE)
-            tl.store(out_row + cols, y.to(out_ty), mask=cols < n_cols)
+            store_rounded(out_row, cols, y, cols < n_cols)
         else:
             for start in range(0, n_cols, BLOCK):
                 c = start + cols
                 xb = _load_logits(x_row + c, mask_row, mask_col_stride, c, c < n_cols, ACC,
                                   HAS_MASK)
                 y = _output_value(xb, row_max, aux, MODE)
-                tl.store(out_row + c, y.to(out_ty), mask=c < n_cols)
+                store_rounded(out_row, c, y, c < n_cols)
 
 
 @triton.jit
@@ -275,35 +275,34 @@ def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
     mask_row = _mask_row(mask_ptr, row, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
     has_grad = row_has_gradient(tl.load(stats_ptr + 2 * row), tl.load(stats_ptr + 2 * row + 1))
     cols = tl.arange(0, BLOCK)
-    out_ty = gi_ptr.dtype.element_ty
     if SINGLE_BLOCK:
         inside = cols < n_cols
         keep = _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK)
-        g = tl.load(go_row + cols, mask=inside, other=0.0).to(ACC)
-        y = tl.load(y_row + cols, mask=inside, other=0.0).to(ACC)
+        g = widen(go_row, cols, inside).to(ACC)
+        y = widen(y_row, cols, inside).to(ACC)
         row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)
         grad = _grad_value(g, y, row_sum, keep, MODE)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-        tl.store(gi_row + cols, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+        store_saturated(gi_row, cols, tl.where(has_grad, grad, 0.0), inside)
     else:
         partial = tl.zeros([BLOCK], dtype=ACC)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             inside = c < n_cols
             keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
-            g = tl.load(go_row + c, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + c, mask=inside, other=0.0).to(ACC)
+            g = widen(go_row, c, inside).to(ACC)
+            y = widen(y_row, c, inside).to(ACC)
             partial += _row_sum_term(g, y, keep, MODE)
         row_sum = tl.sum(partial, axis=0)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             inside = c < n_cols
             keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
-            g = tl.load(go_row + c, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_row + c, mask=inside, other=0.0).to(ACC)
+            g = widen(go_row, c, inside).to(ACC)
+            y = widen(y_row, c, inside).to(ACC)
             grad = _grad_value(g, y, row_sum, keep, MODE)
             # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-            tl.store(gi_row + c, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+            store_saturated(gi_row, c, tl.where(has_grad, grad, 0.0), inside)
 
 
 @triton.jit
@@ -322,15 +321,14 @@ def _logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_ptr, n_col
     has_grad = row_has_gradient(row_max, log_sum)
     g = tl.load(go_ptr + row).to(ACC)
     cols = tl.arange(0, BLOCK)
-    out_ty = gi_ptr.dtype.element_ty
     for start in range(0, n_cols, BLOCK):
         c = start + cols
         inside = c < n_cols
         keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
-        x = tl.load(x_row + c, mask=inside, other=0.0).to(ACC)
+        x = widen(x_row, c, inside).to(ACC)
         grad = logsumexp_grad_value(g, x, row_max, log_sum, keep)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-        tl.store(gi_row + c, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+        store_saturated(gi_row, c, tl.where(has_grad, grad, 0.0), inside)
 
 
 # ---------------------------------------------------------------------------
@@ -381,15 +379,13 @@ def _strided_forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols, inner, 
     tl.store(stats_ptr + stats_offset(o, 1, i, inner), log_sum, mask=in_row)
 
     if MODE == LOGSUMEXP:
-        lse = lse_value(row_max, row_sum).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + o * inner + i, lse, mask=in_row)
+        store_rounded(out_ptr, o * inner + i, lse_value(row_max, row_sum), in_row)
     else:
         aux = _output_aux(row_sum, log_sum, MODE)[None, :]
         max_b = row_max[None, :]
-        out_ty = out_ptr.dtype.element_ty
         if SINGLE_TILE:
             y = _output_value(x, max_b, aux, MODE)
-            tl.store(out_ptr + offs, y.to(out_ty), mask=inside)
+            store_rounded(out_ptr, offs, y, inside)
         else:
             for start in range(0, n_cols, BLOCK_J):
                 j = start + js
@@ -398,7 +394,7 @@ def _strided_forward_kernel(x_ptr, out_ptr, stats_ptr, mask_ptr, n_cols, inner, 
                 xt = _load_logits(x_ptr + offs, mask_rows, mask_col_stride, j, inside, ACC,
                                   HAS_MASK)
                 y = _output_value(xt, max_b, aux, MODE)
-                tl.store(out_ptr + offs, y.to(out_ty), mask=inside)
+                store_rounded(out_ptr, offs, y, inside)
 
 
 @triton.jit
@@ -419,17 +415,16 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
     has_grad = row_has_gradient(row_max, log_sum)[None, :]
     js = tl.arange(0, BLOCK_J).to(tl.int64)[:, None]
     ii = i[None, :]
-    out_ty = gi_ptr.dtype.element_ty
     if SINGLE_TILE:
         inside = (js < n_cols) & (ii < inner)
         offs = entry_offset(o, js, ii, n_cols, inner)
         keep = _load_keep(mask_rows, mask_col_stride, js, inside, HAS_MASK)
-        g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
-        y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+        g = widen(go_ptr, offs, inside).to(ACC)
+        y = widen(y_ptr, offs, inside).to(ACC)
         row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)[None, :]
         grad = _grad_value(g, y, row_sum, keep, MODE)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-        tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+        store_saturated(gi_ptr, offs, tl.where(has_grad, grad, 0.0), inside)
     else:
         partial = tl.zeros([BLOCK_J, BLOCK_I], dtype=ACC)
         for start in range(0, n_cols, BLOCK_J):
@@ -437,8 +432,8 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
             inside = (j < n_cols) & (ii < inner)
             offs = entry_offset(o, j, ii, n_cols, inner)
             keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
-            g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+            g = widen(go_ptr, offs, inside).to(ACC)
+            y = widen(y_ptr, offs, inside).to(ACC)
             partial += _row_sum_term(g, y, keep, MODE)
         row_sum = tl.sum(partial, axis=0)[None, :]
         for start in range(0, n_cols, BLOCK_J):
@@ -446,11 +441,11 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
             inside = (j < n_cols) & (ii < inner)
             offs = entry_offset(o, j, ii, n_cols, inner)
             keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
-            g = tl.load(go_ptr + offs, mask=inside, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(ACC)
+            g = widen(go_ptr, offs, inside).to(ACC)
+            y = widen(y_ptr, offs, inside).to(ACC)
             grad = _grad_value(g, y, row_sum, keep, MODE)
             # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-            tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+            store_saturated(gi_ptr, offs, tl.where(has_grad, grad, 0.0), inside)
 
 
 @triton.jit
@@ -469,20 +464,19 @@ def _strided_logsumexp_backward_kernel(go_ptr, x_ptr, stats_ptr, gi_ptr, mask_pt
     row_max = tl.load(stats_ptr + stats_offset(o, 0, i, inner), mask=in_row, other=0.0)
     log_sum = tl.load(stats_ptr + stats_offset(o, 1, i, inner), mask=in_row, other=0.0)
     has_grad = row_has_gradient(row_max, log_sum)[None, :]
-    g = tl.load(go_ptr + o * inner + i, mask=in_row, other=0.0).to(ACC)[None, :]
+    g = widen(go_ptr, o * inner + i, in_row).to(ACC)[None, :]
     row_max, log_sum = row_max[None, :], log_sum[None, :]
     js = tl.arange(0, BLOCK_J).to(tl.int64)[:, None]
     ii = i[None, :]
-    out_ty = gi_ptr.dtype.element_ty
     for start in range(0, n_cols, BLOCK_J):
         j = start + js
         inside = (j < n_cols) & (ii < inner)
         offs = entry_offset(o, j, ii, n_cols, inner)
         keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
-        x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(ACC)
+        x = widen(x_ptr, offs, inside).to(ACC)
         grad = logsumexp_grad_value(g, x, row_max, log_sum, keep)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
-        tl.store(gi_ptr + offs, tl.where(has_grad, grad, 0.0).to(out_ty), mask=inside)
+        store_saturated(gi_ptr, offs, tl.where(has_grad, grad, 0.0), inside)
 
 
 # ---------------------------------------------------------------------------
