@@ -324,6 +324,10 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     if negatives is not None and negatives.dim() == 3:
         blocks += list(negatives.unbind(1))
     parts = blocks + ([negatives] if negatives is not None and negatives.dim() == 2 else [])
+    if negatives is not None and negatives.dim() == 3 and negatives.shape[1] == 0:
+        # [B, 0, d]: no block, but the empty tensor stays in the graph (as a
+        # 0-row part of the documents), so that its gradient is zeros, as torch's.
+        parts.append(negatives.reshape(0, negatives.shape[2]))
     parts = [part.to(dtype) for part in parts]
     queries = queries.to(dtype)
     offset = 0

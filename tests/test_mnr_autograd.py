@@ -418,10 +418,15 @@ def test_double_backward_refuses_clearly(device, reduction):
     q, p, n = _embeddings(b=3, k=1, device=device, seed=12)
     scale = _scale("tensor []", device)
     loss = nf.mnr_loss(q, p, n, scale=scale, reduction=reduction).sum()
-    # Refused, not silently incomplete (the backward has no graph of its own).
-    with pytest.raises(RuntimeError, match=r"nanfree\.mnr_loss: double backward is not "
-                                           "supported"):
-        grads = torch.autograd.grad(loss, (q, scale), create_graph=True)
+    # create_graph=True gives the first-order gradients (as every family does)...
+    grads = torch.autograd.grad(loss, (q, scale), create_graph=True)
+    plain = torch.autograd.grad(nf.mnr_loss(q, p, n, scale=scale, reduction=reduction).sum(),
+                                (q, scale))
+    torch.testing.assert_close(grads, plain)
+    assert grads[0].requires_grad
+    # ... and differentiating them is refused, not silently incomplete.
+    with pytest.raises(RuntimeError, match=r"nanfree::mnr_loss_backward has no derivative: "
+                                           r"double backward .* of the mnr family"):
         grads[0].sum().backward()
 
 

@@ -304,3 +304,19 @@ def test_bfloat16_outputs_round_to_nearest_even(device):
                 assert same > 0.95, f"{ours.__name__} dim {dim} {what}: {same:.3f} round as torch"
     lse = nf.logsumexp(x, 1)
     assert (lse == torch.logsumexp(x.float(), 1).to(torch.bfloat16)).float().mean() > 0.95
+
+
+# --- MNR: empty hard negatives keep the graph ----------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mnr_empty_hard_negatives_keep_the_graph(device):
+    """[B, 0, d] negatives that require grad get a zero gradient (as through
+    torch.cat), not "appears to not have been used in the graph"."""
+    q, p = _embeddings(device, b=4, d=6)
+    empty = torch.zeros(4, 0, 6, device=device, requires_grad=True)
+    loss = nf.mnr_loss(q, p, empty)
+    grads = torch.autograd.grad(loss, (q, p, empty))
+    assert grads[2].shape == (4, 0, 6)
+    torch.testing.assert_close(loss, nf.mnr_loss(q, p))
+    torch.testing.assert_close(grads[:2], torch.autograd.grad(nf.mnr_loss(q, p), (q, p)))

@@ -279,24 +279,22 @@ def _setup_context(ctx, inputs, output):
     # Gradients computed for an upstream 1 can be scaled by a scalar upstream
     # gradient only; with reduction 'none' (0) the backward recomputes.
     ctx.precomputed = grad and config[-1] != 0
+    # The loss itself is saved too (a scalar or [B]): with create_graph=True the
+    # refusing node of the gradients hangs off it (_RefusedDoubleBackward).
     if ctx.precomputed:
-        ctx.save_for_backward(grad_queries, grad_docs, grad_scale)
+        ctx.save_for_backward(grad_queries, grad_docs, grad_scale, loss)
     else:
-        ctx.save_for_backward(queries, docs, scale, stats)
+        ctx.save_for_backward(queries, docs, scale, stats, loss)
     ctx.mark_non_differentiable(stats, grad_queries, grad_docs, grad_scale)
     # The other outputs never receive a gradient: no zero tensors of their sizes.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_loss, *unused):
-    if torch.is_grad_enabled():
-        raise RuntimeError("nanfree.mnr_loss: double backward is not supported")
-    if grad_loss is None:
-        # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
-        return (None,) * (3 + len(_CONFIG) + 1)
+def _gradients(ctx, grad_loss):
+    """(grad_queries, grad_docs, grad_scale) of the loss for `grad_loss`."""
     if ctx.precomputed:
         # The gradients of an upstream 1 (a scalar loss): scaled, not recomputed.
-        grad_queries, grad_docs, grad_scale = ctx.saved_tensors
+        grad_queries, grad_docs, grad_scale, _ = ctx.saved_tensors
         factor = grad_loss.to(grad_scale.dtype)
         # A product past the dtype's range saturates (unscaled), as the
         # recomputing path's gradients do.
@@ -304,7 +302,7 @@ def _backward(ctx, grad_loss, *unused):
         grad_docs = unscaled(grad_docs.to(factor.dtype), factor, grad_docs.dtype)
         grad_scale = unscaled(grad_scale, factor)
     else:
-        queries, docs, scale, stats = ctx.saved_tensors
+        queries, docs, scale, stats, _ = ctx.saved_tensors
         grad_queries, grad_docs, grad_scale = torch.ops.nanfree.mnr_loss_backward(
             grad_loss.contiguous(), queries, docs, scale, ctx.config[0], stats, *ctx.config[1:])
     if ctx.has_scale:
@@ -312,7 +310,37 @@ def _backward(ctx, grad_loss, *unused):
         grad_scale = unscaled(grad_scale.reshape(ctx.scale_shape), 1.0, ctx.scale_dtype)
     else:
         grad_scale = None
-    return (grad_queries, grad_docs, grad_scale) + (None,) * (len(_CONFIG) + 1)
+    return grad_queries, grad_docs, grad_scale
+
+
+class _RefusedDoubleBackward(torch.autograd.Function):
+    """The loss's backward called with create_graph=True: the gradients, computed
+    below autograd, on a node whose own backward refuses (as the C++ families'
+    RefusedDoubleBackward of csrc/common/autograd.h), instead of refusing the
+    first-order gradient itself."""
+
+    @staticmethod
+    def forward(ctx, outer_ctx, grad_loss, loss):
+        return tuple(g if g is None else g.detach() for g in _gradients(outer_ctx, grad_loss))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("nanfree: nanfree::mnr_loss_backward has no derivative: double "
+                           "backward (differentiating a gradient) of the mnr family is not "
+                           "implemented")
+
+
+def _backward(ctx, grad_loss, *unused):
+    if grad_loss is None:
+        # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
+        return (None,) * (3 + len(_CONFIG) + 1)
+    if torch.is_grad_enabled():
+        # create_graph=True: the node hangs off the loss, so that differentiating
+        # the gradients reaches it (and refuses) whatever else requires grad.
+        grads = _RefusedDoubleBackward.apply(ctx, grad_loss, ctx.saved_tensors[-1])
+    else:
+        grads = _gradients(ctx, grad_loss)
+    return tuple(grads) + (None,) * (len(_CONFIG) + 1)
 
 
 def register():
