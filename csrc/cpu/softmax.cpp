@@ -267,6 +267,22 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
   return {args.output, args.stats};
 }
 
+// log_softmax's backward of a row whose plain sum of the kept g overflowed
+// (g near the largest value): the sum again at the scale 2^-64 (GradSum of
+// softmax_math.h), then the shared scalar rule entry by entry. Rare.
+template <typename scalar_t, typename acc_t>
+void overflowed_log_softmax_row(const scalar_t* g_row, const scalar_t* s_row, acc_t plain,
+                                const MaskRow& keep, scalar_t* dx_row, int64_t cols) {
+  acc_t scaled = 0;
+  for (int64_t j = 0; j < cols; ++j)
+    if (keep.keep(j)) scaled += static_cast<acc_t>(g_row[j]) * grad_sum_scale<acc_t>();
+  const GradSum<acc_t> sum{plain, scaled};
+  const acc_t bound = largest_finite<scalar_t>();
+  for (int64_t j = 0; j < cols; ++j)
+    dx_row[j] = static_cast<scalar_t>(log_softmax_grad_value(
+        static_cast<acc_t>(g_row[j]), static_cast<acc_t>(s_row[j]), sum, keep.keep(j), bound));
+}
+
 // The backward of an unmasked row with a finite max and log_sum, the common
 // case, straight on the stored type: ATen's maps convert float16 / bfloat16
 // to float in registers, so no row is copied. The formulas are those of the
@@ -283,13 +299,22 @@ template <SoftmaxKind kind, typename scalar_t, typename acc_t>
   } else if constexpr (kind == SoftmaxKind::Softmax) {
     const scalar_t* g_row = g_all + r * cols;
     const V dot(row_dot(g_row, s_row, cols));
-    // y * (g - dot), as softmax_grad_value.
-    at::vec::map2([&](V g, V y) { return y * (g - dot); }, dx_row, g_row, s_row, cols);
+    const V out_max(largest_finite<scalar_t>()), out_min(-largest_finite<scalar_t>());
+    at::vec::map2([&](V g, V y) { return softmax_grad_vec(g, y, dot, out_max, out_min); }, dx_row,
+                  g_row, s_row, cols);
   } else {
     const scalar_t* g_row = g_all + r * cols;
-    const V sum(row_sum(g_row, cols));
-    // g - exp(y) * sum, as log_softmax_grad_value.
-    at::vec::map2([&](V g, V y) { return g - shifted_exp(y) * sum; }, dx_row, g_row, s_row, cols);
+    const acc_t sum = row_sum(g_row, cols);
+    if (!std::isfinite(sum)) {
+      // The sum overflowed (g near the largest value), or g holds NaN: the shared scalar rule
+      // with the row's sum at the scale 2^-64 (rare; a second pass).
+      overflowed_log_softmax_row(g_row, s_row, sum, MaskRow{nullptr, 0}, dx_row, cols);
+      return;
+    }
+    const V sum_v(sum), out_max(largest_finite<scalar_t>()), out_min(-largest_finite<scalar_t>());
+    // g - exp(y) * sum, saturated, as log_softmax_grad_value.
+    at::vec::map2([&](V g, V y) { return saturate_vec(g - shifted_exp(y) * sum_v, out_max, out_min); },
+                  dx_row, g_row, s_row, cols);
   }
 }
 
@@ -303,6 +328,7 @@ void backward_kernel(const BackwardArgs& args) {
   const scalar_t* s_all = args.saved.const_data_ptr<scalar_t>();
   const acc_t* stats_all = args.stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
+  const acc_t bound = largest_finite<scalar_t>();  // of a saturated gradient
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
     // Chunks of a row in the accumulation type (half types only): the row is
@@ -349,6 +375,12 @@ void backward_kernel(const BackwardArgs& args) {
           }
         }
       }
+      if constexpr (kind == SoftmaxKind::LogSoftmax) {
+        if (!nan_row && !std::isfinite(reduction)) {
+          overflowed_log_softmax_row(g_row, s_row, reduction, keep, dx_row, cols);
+          continue;
+        }
+      }
       for (int64_t start = 0; start < cols; start += kChunk) {
         const int64_t n = std::min(kChunk, cols - start);
         const MaskRow chunk_keep = keep.from(start);
@@ -369,20 +401,23 @@ void backward_kernel(const BackwardArgs& args) {
           }
         } else if constexpr (kind == SoftmaxKind::Softmax) {
           const acc_t* g = as_acc(g_row + start, n, g_buf.get());
-          const Vec<acc_t> dot(reduction);
-          // y * (g - dot), as softmax_grad_value; dropped entries have y = 0.
-          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) { return y * (gv - dot); }, dx, g, s, n);
+          const Vec<acc_t> dot(reduction), out_max(bound), out_min(-bound);
+          // softmax_grad_value; dropped entries have y = 0.
+          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) {
+            return softmax_grad_vec(gv, y, dot, out_max, out_min);
+          }, dx, g, s, n);
         } else {
           const acc_t* g = as_acc(g_row + start, n, g_buf.get());
           if (nan_row) {
             for (int64_t j = 0; j < n; ++j)
-              dx[j] = log_softmax_grad_value(g[j], s[j], reduction, chunk_keep.keep(j));
+              dx[j] = log_softmax_grad_value(g[j], s[j], GradSum<acc_t>{reduction, reduction},
+                                             chunk_keep.keep(j), bound);
           } else {
-            const Vec<acc_t> sum_v(reduction);
-            // g - exp(y) * sum, as log_softmax_grad_value.
-            at::vec::map2(
-                [&](Vec<acc_t> gv, Vec<acc_t> y) { return gv - shifted_exp(y) * sum_v; }, dx, g, s,
-                n);
+            const Vec<acc_t> sum_v(reduction), out_max(bound), out_min(-bound);
+            // g - exp(y) * sum, saturated, as log_softmax_grad_value.
+            at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) {
+              return saturate_vec(gv - shifted_exp(y) * sum_v, out_max, out_min);
+            }, dx, g, s, n);
             // As log_softmax_grad_value: a dropped entry receives 0.
             if (keep.data != nullptr) select_kept(dx, dx, chunk_keep, n, acc_t(0));
           }

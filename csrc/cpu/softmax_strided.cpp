@@ -323,6 +323,8 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
   const TaskGrid grid(s, lane_width<acc_t>(s, 0));
   const int64_t width = grid.width;
+  const acc_t bound = largest_finite<scalar_t>();  // of a saturated gradient
+  const V out_max(bound), out_min(-bound);
 
   at::parallel_for(0, grid.count(), grid.grain(), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> totals(width);
@@ -372,15 +374,16 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
             const V y = load_vec(y_base + row + v * vw, k);
             V dx;
             if constexpr (log_softmax) {
-              // g - exp(y) * sum, as log_softmax_grad_value; a dropped entry receives 0.
-              dx = g - shifted_exp(y) * total[v];
+              // g - exp(y) * sum, saturated, as log_softmax_grad_value; a dropped
+              // entry receives 0 (a lane whose sum overflowed is redone below).
+              dx = saturate_vec(g - shifted_exp(y) * total[v], out_max, out_min);
               if (masked) {
                 dx = V::blendv(V(acc_t(0)), dx,
                                keep_vec<scalar_t, acc_t>(g_lanes, j, group.first + v * vw, k));
               }
             } else {
-              // y * (g - dot), as softmax_grad_value; a NaN row's y and dot carry its NaN.
-              dx = y * (g - total[v]);
+              // softmax_grad_value; a NaN row's y and dot carry its NaN.
+              dx = softmax_grad_vec(g, y, total[v], out_max, out_min);
             }
             store_vec(dx, dx_base + row + v * vw, k);
           }
@@ -396,13 +399,21 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
         if (!row_has_gradient(row)) {
           // An empty or +inf row passes no gradient.
           for (int64_t j = 0; j < s.n; ++j) dx_base[j * s.inner + l] = scalar_t(0);
-        } else if (log_softmax && std::isnan(row.log_sum)) {
-          // exp_u20 would turn the NaN outputs of a NaN row into numbers.
+        } else if (log_softmax && (std::isnan(row.log_sum) || !std::isfinite(totals[l]))) {
+          // exp_u20 would turn the NaN outputs of a NaN row into numbers; a
+          // lane whose sum overflowed (g near the largest value) takes the sum
+          // again at the scale 2^-64 (GradSum). Both with the shared scalar rule.
+          acc_t scaled = 0;
+          for (int64_t j = 0; j < s.n; ++j) {
+            if (g_lanes.keep(j, l))
+              scaled += static_cast<acc_t>(g_base[j * s.inner + l]) * grad_sum_scale<acc_t>();
+          }
+          const GradSum<acc_t> sum{totals[l], scaled};
           for (int64_t j = 0; j < s.n; ++j) {
             const acc_t g = static_cast<acc_t>(g_base[j * s.inner + l]);
             const acc_t y = static_cast<acc_t>(y_base[j * s.inner + l]);
-            dx_base[j * s.inner + l] =
-                static_cast<scalar_t>(log_softmax_grad_value(g, y, totals[l], g_lanes.keep(j, l)));
+            dx_base[j * s.inner + l] = static_cast<scalar_t>(
+                log_softmax_grad_value(g, y, sum, g_lanes.keep(j, l), bound));
           }
         }
       }

@@ -214,12 +214,13 @@ __device__ __forceinline__ void backward_load(int kind, const scalar_t* g_row, c
 template <int N, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void backward_store(int kind, const acc_t (&g)[N], const acc_t (&y)[N],
                                                const scalar_t* y_row, const bool* mask_row,
-                                               int64_t col_stride, int64_t col, acc_t total,
-                                               scalar_t* d_row) {
+                                               int64_t col_stride, int64_t col,
+                                               GradSum<acc_t> sums, scalar_t* d_row) {
   acc_t d[N];
+  const acc_t bound = largest_finite<scalar_t>();  // of a saturated gradient
   if (kind == kSoftmax) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) d[i] = softmax_grad_value(g[i], y[i], total);
+    for (int i = 0; i < N; ++i) d[i] = softmax_grad_value(g[i], y[i], sums.plain, bound);
   } else {
     // log_softmax reads its output here only: it is not needed for the sum.
     acc_t out[N];
@@ -227,7 +228,7 @@ __device__ __forceinline__ void backward_store(int kind, const acc_t (&g)[N], co
     load_acc<N>(y_row + col, out);
     load_keep<N>(mask_row, col, col_stride, keep);
 #pragma unroll
-    for (int i = 0; i < N; ++i) d[i] = log_softmax_grad_value(g[i], out[i], total, keep[i]);
+    for (int i = 0; i < N; ++i) d[i] = log_softmax_grad_value(g[i], out[i], sums, keep[i], bound);
   }
   store_acc<N>(d_row + col, d);
 }
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const bool* mask_row =
         live && mask.data != nullptr ? mask.data + mask_row_offset(mask, row) : nullptr;
 
-    acc_t partial_sum = acc_t(0);
+    acc_t partial_sum = acc_t(0), partial_scaled = acc_t(0);
     acc_t g[kCached][kVec], y[kCached][kVec];
     if constexpr (kIters > 0) {
 #pragma unroll
@@ -270,6 +271,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (live && vi < nvec) {
           backward_load(kind, g_row, y_row, mask_row, mask.col_stride, vi * kVec, g[it], y[it], keep);
           partial_sum += backward_partial(kind, g[it], y[it], keep);
+          partial_scaled += backward_partial_scaled(kind, g[it], keep);
         }
       }
     } else {
@@ -278,10 +280,14 @@ __global__ void __launch_bounds__(kMaxThreads)
         bool keep[kVec];
         backward_load(kind, g_row, y_row, mask_row, mask.col_stride, vi * kVec, gv, yv, keep);
         partial_sum += backward_partial(kind, gv, yv, keep);
+        partial_scaled += backward_partial_scaled(kind, gv, keep);
       }
     }
 
     const acc_t total = group_sum(partial_sum, G, partial);
+    // kind is the block's: every thread takes part in this reduction or none does.
+    const GradSum<acc_t> sums{
+        total, kind == kSoftmax ? acc_t(0) : group_sum(partial_scaled, G, partial)};
     if (!active) continue;  // after the block-wide reduction
 
     scalar_t* d_row = grad_input + row * cols;
@@ -294,15 +300,14 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int it = 0; it < kIters; ++it) {
         const int64_t vi = static_cast<int64_t>(it) * G + t;
         if (vi < nvec)
-          backward_store(kind, g[it], y[it], y_row, mask_row, mask.col_stride, vi * kVec, total,
-                         d_row);
+          backward_store(kind, g[it], y[it], y_row, mask_row, mask.col_stride, vi * kVec, sums, d_row);
       }
     } else {
       for (int64_t vi = t; vi < nvec; vi += G) {
         acc_t gv[kVec], yv[kVec];
         bool keep[kVec];
         backward_load(kind, g_row, y_row, mask_row, mask.col_stride, vi * kVec, gv, yv, keep);
-        backward_store(kind, gv, yv, y_row, mask_row, mask.col_stride, vi * kVec, total, d_row);
+        backward_store(kind, gv, yv, y_row, mask_row, mask.col_stride, vi * kVec, sums, d_row);
       }
     }
   }

@@ -151,6 +151,19 @@ __device__ __forceinline__ acc_t backward_partial(int kind, const acc_t (&g)[N],
   return sum;
 }
 
+// log_softmax's row sum at the scale 2^-64 (GradSum of softmax_math.h, read
+// where the plain sum overflowed); softmax needs none.
+template <int N, typename acc_t>
+__device__ __forceinline__ acc_t backward_partial_scaled(int kind, const acc_t (&g)[N],
+                                                         const bool (&keep)[N]) {
+  acc_t sum = acc_t(0);
+  if (kind != kSoftmax) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) sum += keep[i] ? g[i] * grad_sum_scale<acc_t>() : acc_t(0);
+  }
+  return sum;
+}
+
 }  // namespace detail
 
 // Launchers of the strided kernels (softmax_strided_kernels.cu) for

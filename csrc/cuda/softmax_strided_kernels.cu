@@ -275,11 +275,12 @@ __device__ __forceinline__ void load_grad_entry(const scalar_t* g_row, const sca
   keep = k[0];
 }
 
-// d input of one entry given the row's sum `total`.
+// d input of one entry given the row's sums, saturated to `bound`.
 template <typename acc_t>
-__device__ __forceinline__ acc_t grad_entry(int kind, acc_t g, acc_t y, bool keep, acc_t total) {
-  return kind == kSoftmax ? softmax_grad_value(g, y, total)
-                          : log_softmax_grad_value(g, y, total, keep);
+__device__ __forceinline__ acc_t grad_entry(int kind, acc_t g, acc_t y, bool keep,
+                                            GradSum<acc_t> sums, acc_t bound) {
+  return kind == kSoftmax ? softmax_grad_value(g, y, sums.plain, bound)
+                          : log_softmax_grad_value(g, y, sums, keep, bound);
 }
 
 template <typename scalar_t, int kIters>
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const bool* mask_row =
         live && mask.data != nullptr ? mask.data + mask_row_offset(mask, r.r) : nullptr;
 
-    acc_t partial_sum = acc_t(0);
+    acc_t partial_sum = acc_t(0), partial_scaled = acc_t(0);
     acc_t g[kCached][1], y[kCached][1];
     if constexpr (kIters > 0) {
 #pragma unroll
@@ -328,6 +329,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           load_grad_entry(g_row, y_row, inner, mask_row, mask.col_stride, j, sum_needs_y,
                           g[it][0], y[it][0], keep[0]);
           partial_sum += backward_partial(kind, g[it], y[it], keep);
+          partial_scaled += backward_partial_scaled(kind, g[it], keep);
         }
       }
     } else if (live) {
@@ -340,6 +342,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           load_grad_entry(g_row, y_row, inner, mask_row, mask.col_stride, j + u * slices,
                           sum_needs_y, gv[u], yv[u], keep[u]);
         partial_sum += backward_partial(kind, gv, yv, keep);
+        partial_scaled += backward_partial_scaled(kind, gv, keep);
       }
       for (; j < cols; j += slices) {
         acc_t gv[1], yv[1];
@@ -347,11 +350,19 @@ __global__ void __launch_bounds__(kMaxThreads)
         load_grad_entry(g_row, y_row, inner, mask_row, mask.col_stride, j, sum_needs_y, gv[0],
                         yv[0], keep[0]);
         partial_sum += backward_partial(kind, gv, yv, keep);
+        partial_scaled += backward_partial_scaled(kind, gv, keep);
       }
     }
 
     const acc_t total =
         slices > 1 ? combine_slices(partial_sum, slots, AddSums{}) : partial_sum;
+    // kind is the block's: every thread takes part in this reduction or none does.
+    const acc_t total_scaled =
+        kind == kSoftmax ? acc_t(0)
+                         : (slices > 1 ? combine_slices(partial_scaled, slots, AddSums{})
+                                       : partial_scaled);
+    const GradSum<acc_t> sums{total, total_scaled};
+    const acc_t bound = largest_finite<scalar_t>();  // of a saturated gradient
     if (!active) continue;  // after the block-wide reduction
 
     scalar_t* d_row = grad_input + base;
@@ -374,7 +385,7 @@ __global__ void __launch_bounds__(kMaxThreads)
             keep = k[0];
             out = to_acc(y_row[j * inner]);
           }
-          d_row[j * inner] = FromAcc<scalar_t>::cast(grad_entry(kind, g[it][0], out, keep, total));
+          d_row[j * inner] = FromAcc<scalar_t>::cast(grad_entry(kind, g[it][0], out, keep, sums, bound));
         }
       }
     } else {
@@ -389,13 +400,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
           d_row[(j + u * slices) * inner] =
-              FromAcc<scalar_t>::cast(grad_entry(kind, gv[u], yv[u], keep[u], total));
+              FromAcc<scalar_t>::cast(grad_entry(kind, gv[u], yv[u], keep[u], sums, bound));
       }
       for (; j < cols; j += slices) {
         acc_t gv, yv;
         bool keep;
         load_grad_entry(g_row, y_row, inner, mask_row, mask.col_stride, j, true, gv, yv, keep);
-        d_row[j * inner] = FromAcc<scalar_t>::cast(grad_entry(kind, gv, yv, keep, total));
+        d_row[j * inner] = FromAcc<scalar_t>::cast(grad_entry(kind, gv, yv, keep, sums, bound));
       }
     }
   }

@@ -9,7 +9,7 @@ reduced dimension, and the same special-value rules, written with torch.where. S
 import torch
 
 from .._ops.softmax import check_backward, check_forward
-from .numerics import INF, acc_dtype, lse_state, lse_value
+from .numerics import INF, acc_dtype, lse_state, lse_value, nf_largest, saturate
 
 # --- mirror of softmax_math.h (same names, whole rows at once) -------------------
 
@@ -45,14 +45,36 @@ def row_has_gradient(stats, dim):
     return ~torch.isinf(row_max) | torch.isnan(log_sum)
 
 
-def softmax_grad_value(g, y, dot):
-    return y * (g - dot)
+def softmax_grad_value(g, y, dot, bound):
+    """y * (g - dot), saturated to bound; where g - dot overflows, formed at
+    half scale (y = 0 would give 0 * inf = NaN)."""
+    d = g - dot
+    halved = 2.0 * (y * (0.5 * g - 0.5 * dot))
+    return saturate(torch.where(torch.isinf(d), halved, y * d), bound)
 
 
-def log_softmax_grad_value(g, y, grad_sum):
-    """g - exp(y) * sum of the kept g; exp(-inf) = 0, so an unmasked -inf entry
-    receives g (dropped entries are zeroed by the caller)."""
-    return g - torch.exp(y) * grad_sum
+GRAD_SUM_SHIFT = 64  # kGradSumShift
+
+
+def grad_sum_scale():
+    return 2.0 ** -GRAD_SUM_SHIFT
+
+
+def grad_sum_overflowed(plain, scaled):
+    """The plain row sum overflowed (to +-inf, or NaN once partial sums of both
+    signs did) while the scaled one holds the row's sum."""
+    return ~torch.isfinite(plain) & torch.isfinite(scaled)
+
+
+def log_softmax_grad_value(g, y, plain, scaled, bound):
+    """g - exp(y) * sum of the kept g, saturated to bound; where the plain sum
+    overflowed, at the scale 2^-64 (an entry with exp(y) * sum 0 receives g).
+    exp(-inf) = 0, so an unmasked -inf entry receives g (dropped entries are
+    zeroed by the caller)."""
+    p = torch.exp(y)
+    ps = p * scaled
+    at_scale = torch.where(ps == 0, g, (g * grad_sum_scale() - ps) * 2.0 ** GRAD_SUM_SHIFT)
+    return saturate(torch.where(grad_sum_overflowed(plain, scaled), at_scale, g - p * plain), bound)
 
 
 def logsumexp_grad_value(g, x, stats, dim):
@@ -115,7 +137,8 @@ def _finish(dx, stats, dim, mask, saved):
 def softmax_backward(grad_output, output, stats, dim):
     y, g, stats, d, _ = _backward_rows("softmax_backward", grad_output, output, stats, dim, None,
                                        False)
-    dx = softmax_grad_value(g, y, (g * y).sum(dim=d, keepdim=True))
+    bound = nf_largest(output.dtype)
+    dx = softmax_grad_value(g, y, (g * y).sum(dim=d, keepdim=True), bound)
     return _finish(dx, stats, d, None, output)
 
 
@@ -123,7 +146,9 @@ def log_softmax_backward(grad_output, output, stats, dim, mask=None):
     y, g, stats, d, mask = _backward_rows("log_softmax_backward", grad_output, output, stats, dim,
                                           mask, False)
     kept = g if mask is None else g.masked_fill(~mask, 0.0)
-    dx = log_softmax_grad_value(g, y, kept.sum(dim=d, keepdim=True))
+    plain = kept.sum(dim=d, keepdim=True)
+    scaled = (kept * grad_sum_scale()).sum(dim=d, keepdim=True)
+    dx = log_softmax_grad_value(g, y, plain, scaled, nf_largest(output.dtype))
     return _finish(dx, stats, d, mask, output)
 
 

@@ -46,7 +46,8 @@ from .._ops.softmax import check_backward, check_forward, row_shape, stats_shape
 from . import common
 from .common import device_guard
 from .element_io import store_rounded, store_saturated, widen
-from .numerics import lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value
+from .numerics import (largest_finite, lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0,
+                       lse_value, saturate)
 
 # Forward modes (kernel constexpr).
 SOFTMAX = tl.constexpr(0)
@@ -128,14 +129,35 @@ def row_has_gradient(row_max, log_sum):
 
 
 @triton.jit
-def softmax_grad_value(g, y, dot):
-    return y * (g - dot)
+def softmax_grad_value(g, y, dot, bound):
+    d = g - dot
+    # g - dot past the range: y * (g - dot) may be small or 0 (y = 0 would give
+    # 0 * inf = NaN), formed at half scale (the same value where g or dot is inf).
+    halved = 2.0 * (y * (0.5 * g - 0.5 * dot))
+    return saturate(tl.where(tl.abs(d) == float("inf"), halved, y * d), bound)
+
+
+GRAD_SUM_SHIFT: tl.constexpr = 64  # kGradSumShift
+GRAD_SUM_SCALE: tl.constexpr = 2.0 ** -64  # grad_sum_scale()
+GRAD_SUM_UNSCALE: tl.constexpr = 2.0 ** 64
 
 
 @triton.jit
-def log_softmax_grad_value(g, y, grad_sum, keep):
+def grad_sum_overflowed(plain, scaled):
+    # The plain row sum overflowed (to +-inf, or NaN once partial sums of both
+    # signs did) while the scaled one holds the row's sum.
+    return tl.where(tl.abs(plain) < float("inf"), False, tl.abs(scaled) < float("inf"))
+
+
+@triton.jit
+def log_softmax_grad_value(g, y, plain, scaled, keep, bound):
     # exp(-inf) = 0: an unmasked -inf entry receives g; a dropped entry receives 0.
-    return tl.where(keep, g - tl.exp(y) * grad_sum, 0.0)
+    p = tl.exp(y)
+    ps = p * scaled
+    # Where the plain sum overflowed: at the scale 2^-64 (p * sum 0 receives g).
+    at_scale = tl.where(ps == 0.0, g, (g * GRAD_SUM_SCALE - ps) * GRAD_SUM_UNSCALE)
+    grad = tl.where(grad_sum_overflowed(plain, scaled), at_scale, g - p * plain)
+    return tl.where(keep, saturate(grad, bound), 0.0)
 
 
 @triton.jit
@@ -207,11 +229,21 @@ def _row_sum_term(g, y, keep, MODE: tl.constexpr):
 
 
 @triton.jit
-def _grad_value(g, y, row_sum, keep, MODE: tl.constexpr):
+def _grad_value(g, y, row_sum, row_sum_scaled, keep, bound, MODE: tl.constexpr):
     if MODE == SOFTMAX:
-        return softmax_grad_value(g, y, row_sum)
+        return softmax_grad_value(g, y, row_sum, bound)
     else:
-        return log_softmax_grad_value(g, y, row_sum, keep)
+        return log_softmax_grad_value(g, y, row_sum, row_sum_scaled, keep, bound)
+
+
+@triton.jit
+def _scaled_row_sum(term, axis, MODE: tl.constexpr):
+    """log_softmax's row sum at the scale 2^-64 (read where the plain one
+    overflowed); softmax needs none."""
+    if MODE == SOFTMAX:
+        return tl.sum(term, axis=axis) * 0.0
+    else:
+        return tl.sum(term * GRAD_SUM_SCALE, axis=axis)
 
 
 # ---------------------------------------------------------------------------
@@ -268,6 +300,7 @@ def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
     """Backward of softmax (MODE SOFTMAX, called without a mask) or log_softmax
     (MODE LOG_SOFTMAX) from the output y: a row sum, then one value per entry."""
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    bound = largest_finite(gi_ptr)
     row = tl.program_id(0).to(tl.int64)
     go_row = go_ptr + row * n_cols
     y_row = y_ptr + row * n_cols
@@ -280,27 +313,33 @@ def _softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr, n_cols,
         keep = _load_keep(mask_row, mask_col_stride, cols, inside, HAS_MASK)
         g = widen(go_row, cols, inside).to(ACC)
         y = widen(y_row, cols, inside).to(ACC)
-        row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)
-        grad = _grad_value(g, y, row_sum, keep, MODE)
+        term = _row_sum_term(g, y, keep, MODE)
+        row_sum = tl.sum(term, axis=0)
+        grad = _grad_value(g, y, row_sum, _scaled_row_sum(term, 0, MODE), keep, bound, MODE)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
         store_saturated(gi_row, cols, tl.where(has_grad, grad, 0.0), inside)
     else:
         partial = tl.zeros([BLOCK], dtype=ACC)
+        partial_scaled = tl.zeros([BLOCK], dtype=ACC)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             inside = c < n_cols
             keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
             g = widen(go_row, c, inside).to(ACC)
             y = widen(y_row, c, inside).to(ACC)
-            partial += _row_sum_term(g, y, keep, MODE)
+            term = _row_sum_term(g, y, keep, MODE)
+            partial += term
+            if MODE != SOFTMAX:
+                partial_scaled += term * GRAD_SUM_SCALE
         row_sum = tl.sum(partial, axis=0)
+        row_sum_scaled = tl.sum(partial_scaled, axis=0)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             inside = c < n_cols
             keep = _load_keep(mask_row, mask_col_stride, c, inside, HAS_MASK)
             g = widen(go_row, c, inside).to(ACC)
             y = widen(y_row, c, inside).to(ACC)
-            grad = _grad_value(g, y, row_sum, keep, MODE)
+            grad = _grad_value(g, y, row_sum, row_sum_scaled, keep, bound, MODE)
             # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
             store_saturated(gi_row, c, tl.where(has_grad, grad, 0.0), inside)
 
@@ -406,6 +445,7 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
     """_softmax_backward_kernel over a strided dim: row sums per column i, then
     one value per entry."""
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
+    bound = largest_finite(gi_ptr)
     o, i, in_row = _strided_program(n_iblocks, inner, BLOCK_I)
     mask_rows = _mask_row(mask_ptr, o * inner + i, ms1, ms2, mst0, mst1, mst2, HAS_MASK)
     if HAS_MASK:
@@ -421,12 +461,15 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
         keep = _load_keep(mask_rows, mask_col_stride, js, inside, HAS_MASK)
         g = widen(go_ptr, offs, inside).to(ACC)
         y = widen(y_ptr, offs, inside).to(ACC)
-        row_sum = tl.sum(_row_sum_term(g, y, keep, MODE), axis=0)[None, :]
-        grad = _grad_value(g, y, row_sum, keep, MODE)
+        term = _row_sum_term(g, y, keep, MODE)
+        row_sum = tl.sum(term, axis=0)[None, :]
+        row_sum_scaled = _scaled_row_sum(term, 0, MODE)[None, :]
+        grad = _grad_value(g, y, row_sum, row_sum_scaled, keep, bound, MODE)
         # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
         store_saturated(gi_ptr, offs, tl.where(has_grad, grad, 0.0), inside)
     else:
         partial = tl.zeros([BLOCK_J, BLOCK_I], dtype=ACC)
+        partial_scaled = tl.zeros([BLOCK_J, BLOCK_I], dtype=ACC)
         for start in range(0, n_cols, BLOCK_J):
             j = start + js
             inside = (j < n_cols) & (ii < inner)
@@ -434,8 +477,12 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
             keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
             g = widen(go_ptr, offs, inside).to(ACC)
             y = widen(y_ptr, offs, inside).to(ACC)
-            partial += _row_sum_term(g, y, keep, MODE)
+            term = _row_sum_term(g, y, keep, MODE)
+            partial += term
+            if MODE != SOFTMAX:
+                partial_scaled += term * GRAD_SUM_SCALE
         row_sum = tl.sum(partial, axis=0)[None, :]
+        row_sum_scaled = tl.sum(partial_scaled, axis=0)[None, :]
         for start in range(0, n_cols, BLOCK_J):
             j = start + js
             inside = (j < n_cols) & (ii < inner)
@@ -443,7 +490,7 @@ def _strided_softmax_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, mask_ptr,
             keep = _load_keep(mask_rows, mask_col_stride, j, inside, HAS_MASK)
             g = widen(go_ptr, offs, inside).to(ACC)
             y = widen(y_ptr, offs, inside).to(ACC)
-            grad = _grad_value(g, y, row_sum, keep, MODE)
+            grad = _grad_value(g, y, row_sum, row_sum_scaled, keep, bound, MODE)
             # row_has_gradient: an empty or +inf row gets 0 (its formula may give g or NaN).
             store_saturated(gi_ptr, offs, tl.where(has_grad, grad, 0.0), inside)
 

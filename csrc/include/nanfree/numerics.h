@@ -84,6 +84,11 @@ NF_HOST_DEVICE bool nf_isinf(T x) {
   return x == nf_inf<T>() || x == -nf_inf<T>();
 }
 
+template <typename T>
+NF_HOST_DEVICE bool nf_isfinite(T x) {
+  return !nf_isnan(x) && !nf_isinf(x);
+}
+
 // exp(a - b) for a <= b. Equal arguments give exactly 1, which is also the
 // limit when both are +inf: a - b would be inf - inf = NaN there.
 template <typename T>

@@ -75,18 +75,68 @@ NF_HOST_DEVICE bool row_has_gradient(RowStats<T> stats) {
   return !nf_isinf(stats.max) || nf_isnan(stats.log_sum);
 }
 
-// d softmax: y * (g - sum_j g_j y_j); `dot` is that sum over the row.
+// Huge upstream gradients (DESIGN.md 1.2: a finite input and a finite upstream
+// gradient give a finite gradient). Each gradient below is saturated to
+// `bound`, the largest finite value of the output's dtype (in the accumulation
+// type): an exact gradient past the range is that value with its sign. Where
+// an intermediate overflows although the gradient need not, it is formed at a
+// power-of-two scale (exact for normal numbers) and scaled back.
+
+// d softmax: y * (g - dot); `dot` is sum_j g_j y_j over the row.
 template <typename T>
-NF_HOST_DEVICE T softmax_grad_value(T g, T y, T dot) {
-  return y * (g - dot);
+NF_HOST_DEVICE T softmax_grad_value(T g, T y, T dot, T bound) {
+  const T d = g - dot;
+  // g - dot past the range (g = -3e38, dot = 3e38 in float): y * (g - dot)
+  // may be small or 0 (y = 0 would give 0 * inf = NaN). Where g or dot is
+  // infinite itself, the halved form gives the same value as the plain one.
+  if (nf_isinf(d)) return saturate(T(2) * (y * (T(0.5) * g - T(0.5) * dot)), bound);
+  return saturate(y * d, bound);
+}
+
+// log_softmax's row sum of the kept g_j, also taken at the scale
+// 2^-kGradSumShift: the plain sum overflows when a few entries are near the
+// largest value (two of 3e38 in float) while each gradient g - exp(y) * sum may
+// be small (0 for x = [0, 0], g = [3e38, 3e38]); the scaled sum holds 2^64
+// entries of the largest value. A backend takes `scaled` only where `plain`
+// is not finite (in the same pass or in a second one).
+constexpr int kGradSumShift = 64;
+
+template <typename T>
+NF_HOST_DEVICE T grad_sum_scale() {
+  return nf_ldexp(T(1), -kGradSumShift);  // 2^-64, exact in float and double
+}
+
+template <typename T>
+struct GradSum {
+  T plain;
+  T scaled;  // the sum of g_j * grad_sum_scale(); read only where plain is not finite
+};
+
+// Whether the plain sum overflowed (to +-inf, or to NaN once partial sums of
+// both signs overflowed) while the scaled one holds the row's sum. A NaN or
+// infinite g makes both non-finite: the plain rule then passes it on.
+template <typename T>
+NF_HOST_DEVICE bool grad_sum_overflowed(GradSum<T> sum) {
+  return !nf_isfinite(sum.plain) && nf_isfinite(sum.scaled);
 }
 
 // d log_softmax: g - exp(y) * sum_j g_j, the sum over the kept entries.
 // exp(-inf) = 0, so an unmasked -inf entry receives g; a dropped entry's
 // output does not depend on its input, so it receives 0.
 template <typename T>
-NF_HOST_DEVICE T log_softmax_grad_value(T g, T y, T grad_sum, bool keep) {
-  return keep ? g - nf_exp(y) * grad_sum : T(0);
+NF_HOST_DEVICE T log_softmax_grad_value(T g, T y, GradSum<T> sum, bool keep, T bound) {
+  if (!keep) return T(0);
+  const T p = nf_exp(y);
+  if (grad_sum_overflowed(sum)) {
+    const T ps = p * sum.scaled;
+    // p = 0 (a -inf entry) receives g itself (0 * inf would be NaN; at the
+    // scale a small g would round away).
+    if (ps == T(0)) return saturate(g, bound);
+    return saturate((g * grad_sum_scale<T>() - ps) * nf_ldexp(T(1), kGradSumShift), bound);
+  }
+  // Two finite terms whose difference passes the range: the exact gradient
+  // does too, and saturates.
+  return saturate(g - p * sum.plain, bound);
 }
 
 // d logsumexp: g * exp(x - max - log_sum), the softmax of x. A dropped entry
