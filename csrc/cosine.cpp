@@ -22,6 +22,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <tuple>
 #include <vector>
 
@@ -120,11 +122,58 @@ struct NanfreeCosSimMatrixBackward final : torch::autograd::Function<NanfreeCosS
   }
 
   // S = clamp(a @ b.T): dA = G @ b, dB = G.T @ a (the clamp passes straight through).
+  // The rows of a and b are unit vectors, so |dA_ij| <= the sum over a row of
+  // |G|: with G near the dtype's largest value that sum overflows (inf, then
+  // NaN in normalize's backward) where the gradient need not. The products are
+  // taken with the other operand scaled by s = 2^-k, the power of two that
+  // keeps max|G| * (terms summed) below a quarter of the range (s = 1 for any
+  // ordinary G), then scaled back with saturation: exact, and on the device
+  // (no host sync, so CUDA graphs capture it). On the CPU the plain products
+  // are tried first.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& grad = grads[0];
-    return {ctx->needs_input_grad(0) ? at::mm(grad, saved[1]) : at::Tensor(),
-            ctx->needs_input_grad(1) ? at::mm(grad.t(), saved[0]) : at::Tensor()};
+    const bool want_a = ctx->needs_input_grad(0), want_b = ctx->needs_input_grad(1);
+    if (!want_a && !want_b) return {at::Tensor(), at::Tensor()};
+    auto plain = [&]() -> variable_list {
+      return {want_a ? at::mm(grad, saved[1]) : at::Tensor(),
+              want_b ? at::mm(grad.t(), saved[0]) : at::Tensor()};
+    };
+    // No sum to overflow (and no max to take). A symbolic size (torch.compile)
+    // is compared with a guard.
+    if (grad.sym_numel() == 0) return plain();
+    // A traced tensor (fake, functional: the Python key) has no values to check.
+    if (grad.device().is_cpu() && !grad.key_set().has(c10::DispatchKey::Python)) {
+      // On the CPU a host check is free: the plain products, kept unless one
+      // holds inf or NaN (a sum that overflowed stays so), which costs a pass
+      // over the [N, d] and [M, d] results instead of one over G.
+      const variable_list products = plain();
+      const bool finite = std::all_of(products.begin(), products.end(), [](const at::Tensor& t) {
+        return !t.defined() || at::isfinite(t).all().item<bool>();
+      });
+      if (finite) return products;
+    }
+    const double largest = largest_finite(grad.scalar_type());
+    const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const int64_t terms = std::max<int64_t>(std::max(grad.size(0), grad.size(1)), 1);
+    // In logarithms: max|G| * terms itself may overflow.
+    const double log2_room = std::log2(static_cast<double>(terms)) - std::log2(largest / 4);
+    // A NaN or infinite G passes through unscaled (its NaN is the caller's): k = 0.
+    // max|G| from one pass of aminmax (abs() would write a copy of G first).
+    const auto [low, high] = at::aminmax(grad);
+    const at::Tensor amax = at::maximum(high, -low).to(acc);
+    const at::Tensor k = at::ceil(at::log2(amax) + log2_room)
+                             .clamp_min(0)
+                             .nan_to_num(0, 0, 0);
+    const at::Tensor scale = at::exp2(-k).to(grad.scalar_type());
+    const at::Tensor unscale = at::exp2(k);
+    auto product = [&](const at::Tensor& g, const at::Tensor& other) {
+      const at::Tensor scaled = at::mm(g, other * scale);
+      // Saturated: a gradient past the range is its largest finite value.
+      return (scaled.to(acc) * unscale).clamp(-largest, largest).to(scaled.scalar_type());
+    };
+    return {want_a ? product(grad, saved[1]) : at::Tensor(),
+            want_b ? product(grad.t(), saved[0]) : at::Tensor()};
   }
 };
 

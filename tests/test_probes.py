@@ -403,3 +403,71 @@ def test_huge_upstream_gradient_gives_a_finite_gradient(device, dtype, op, layou
         atol = 8 * big * acc_eps * x.shape[dim]
         torch.testing.assert_close(grad.double(), want, rtol=4 * torch.finfo(dtype).eps,
                                    atol=atol, msg=lambda m: f"{op} {name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=str)
+def test_huge_upstream_gradient_normalize(device, dtype):
+    """normalize's backward with g near the dtype's largest value: finite, and
+    the exact gradient (saturated past the range): g parallel to the output
+    gives exactly 0 in exact arithmetic, where sum(g * y) overflows."""
+    big = torch.finfo(dtype).max * 0.9
+    gen = torch.Generator().manual_seed(5)
+    for d in (4, 37, 300):
+        x = torch.randn(4, d, generator=gen, dtype=torch.float64)
+        x[1] *= 1e-3  # a small vector: its gradient passes the range and saturates
+        x[2] = 0.0  # a zero vector: gradient 0
+        x = x.to(dtype).to(device)
+        sign = torch.where(torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).double()
+        g = sign * big * (0.5 + 0.5 * torch.rand(4, d, generator=gen, dtype=torch.float64))
+        g[0] = big * torch.sign(x[0].double().cpu())  # same signs as y: dot = sum |g y| overflows
+        g = g.clamp(-big, big).to(dtype).to(device)
+        xs = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(nf.normalize(xs, dim=1), xs, g)
+        assert torch.isfinite(grad).all(), f"d = {d}: {grad}"
+        # The backward's exact math from the op's own (rounded) output, in float64
+        # at the scale 2^-64, scaled back and saturated: (g - y * dot) / norm, 0
+        # for a vector below eps (nanfree's rule).
+        scale = 2.0 ** -64
+        y = nf.normalize(x, dim=1).double()
+        gs = g.double() * scale
+        norms = x.double().norm(dim=1, keepdim=True)
+        want = (gs - y * (gs * y).sum(1, keepdim=True)) / norms.clamp_min(1e-300)
+        want = torch.where(norms >= 1e-12, want / scale, 0.0)
+        want = want.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+        acc_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+        # Cancellation of terms near the largest value (a few ulps of each of the
+        # d products), divided by the norm; the result's rounding to dtype.
+        atol = 8 * big * acc_eps * d / norms.clamp_min(1e-12)
+        ok = (grad.double() - want).abs() <= atol + 4 * torch.finfo(dtype).eps * want.abs()
+        assert ok.all(), f"d = {d}: got {grad[~ok]}, want {want[~ok]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_huge_upstream_gradient_cos_sim(device, dtype):
+    """cos_sim's backward with an upstream [N, M] near the dtype's largest value:
+    the products G @ b and G.T @ a would overflow (then NaN in normalize's
+    backward); the gradient is finite, and exact where no intermediate
+    passes the range."""
+    big = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(5, 8, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    b = torch.randn(7, 8, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    sign = torch.where(torch.rand(5, 7, generator=gen) < 0.5, -1.0, 1.0).double()
+    for fraction in (0.9, 1 / 16):
+        g = (sign * big * fraction).to(dtype).to(device)
+        at, bt = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        grads = torch.autograd.grad(nf.cos_sim(at, bt), (at, bt), g)
+        assert all(torch.isfinite(t).all() for t in grads), f"{fraction}: {grads}"
+        if fraction < 0.5:  # no intermediate passes the range
+            scale = 2.0 ** -64
+            ad, bd = a.double().requires_grad_(True), b.double().requires_grad_(True)
+            sim = torch.nn.functional.normalize(ad, dim=1) @ torch.nn.functional.normalize(bd, dim=1).T
+            wants = torch.autograd.grad(sim, (ad, bd), g.double() * scale)
+            acc_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+            for got, want in zip(grads, wants):
+                want = (want / scale).clamp(-big, big)
+                tol = 64 * big * fraction * max(acc_eps, torch.finfo(dtype).eps) * 8
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -207,11 +208,31 @@ void normalize_backward_kernel(const NormalizeBackwardArgs& args) {
       const scalar_t* g = g_all + r * d;
       const scalar_t* y = y_all + r * d;
       scalar_t* dx = dx_all + r * d;
-      const V dot(row_dot(g, y, d));
+      const acc_t dot_plain = row_dot(g, y, d);
+      if (!std::isfinite(dot_plain)) {
+        // dot overflowed (g near the largest value; or a NaN row): the shared
+        // scalar rule with dot also at the scale 2^-64 (GradSum). Rare.
+        acc_t dot_scaled = 0;
+        for (int64_t j = 0; j < d; ++j)
+          dot_scaled += (static_cast<acc_t>(g[j]) * grad_sum_scale<acc_t>()) * static_cast<acc_t>(y[j]);
+        const GradSum<acc_t> dot{dot_plain, dot_scaled};
+        for (int64_t j = 0; j < d; ++j)
+          dx[j] = static_cast<scalar_t>(saturate(
+              normalize_grad_value(static_cast<acc_t>(g[j]), static_cast<acc_t>(y[j]), dot,
+                                   stats[2 * r], stats[2 * r + 1]),
+              largest_finite<scalar_t>()));
+        continue;
+      }
+      const V dot(dot_plain), half_dot(dot_plain * acc_t(0.5));
       const V p(stats[2 * r]), grad_factor(stats[2 * r + 1]);
-      // saturate(normalize_grad_value): ((g - y * dot) * grad_factor) * p, saturated.
+      const V half(acc_t(0.5)), two(acc_t(2)), inf(std::numeric_limits<acc_t>::infinity());
+      // saturate(normalize_grad_value): ((g - y * dot) * grad_factor) * p, at
+      // half scale where g - y * dot overflowed, saturated.
       write_row(dx, d, stream, [&](int64_t j, int64_t count) {
-        const V grad = ((load_vec(g + j, count) - load_vec(y + j, count) * dot) * grad_factor) * p;
+        const V gv = load_vec(g + j, count), yv = load_vec(y + j, count);
+        const V diff = gv - yv * dot;
+        const V halved = (((half * gv - yv * half_dot) * grad_factor) * p) * two;
+        const V grad = V::blendv((diff * grad_factor) * p, halved, diff.abs() == inf);
         return saturate_vec(grad, out_max, out_min);
       });
     }

@@ -223,7 +223,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 template <int kVec, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void store_normalize_grad(scalar_t* d_row, int64_t vi,
                                                      const acc_t (&g)[kVec], const acc_t (&y)[kVec],
-                                                     acc_t dot, acc_t p, acc_t grad_factor) {
+                                                     GradSum<acc_t> dot, acc_t p,
+                                                     acc_t grad_factor) {
   acc_t dx[kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
@@ -233,11 +234,15 @@ __device__ __forceinline__ void store_normalize_grad(scalar_t* d_row, int64_t vi
   store_acc<kVec>(d_row + vi * kVec, dx);
 }
 
+// dot[0] += sum(g * y) and dot[1] += the same at the scale 2^-64 (GradSum).
 template <int kVec, typename acc_t>
-__device__ __forceinline__ acc_t vector_dot(acc_t dot, const acc_t (&g)[kVec], const acc_t (&y)[kVec]) {
+__device__ __forceinline__ void accumulate_dots(acc_t (&dot)[2], const acc_t (&g)[kVec],
+                                                const acc_t (&y)[kVec]) {
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) dot += g[i] * y[i];
-  return dot;
+  for (int i = 0; i < kVec; ++i) {
+    dot[0] += g[i] * y[i];
+    dot[1] += (g[i] * grad_sum_scale<acc_t>()) * y[i];
+  }
 }
 
 template <typename scalar_t, int kVec, int kIters>
@@ -246,7 +251,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                               const acc_of_t<scalar_t>* __restrict__ stats,
                               scalar_t* __restrict__ grad_input, int64_t rows, int64_t d, int G) {
   using acc_t = acc_of_t<scalar_t>;
-  __shared__ acc_t partial[kMaxWarps];
+  __shared__ acc_t partial[kMaxWarps * 2];
   const int groups = blockDim.x / G;
   const int group = threadIdx.x / G;
   const int t = threadIdx.x % G;
@@ -262,24 +267,27 @@ __global__ void __launch_bounds__(kMaxThreads)
     const scalar_t* y_row = output + offset;
 
     acc_t g[kCached][kVec], y[kCached][kVec];
-    acc_t dot[1] = {acc_t(0)};
+    // dot = sum(g * y), and at the scale 2^-64 (a GradSum: the plain one may
+    // overflow for g near the largest value).
+    acc_t dot[2] = {acc_t(0), acc_t(0)};
     if constexpr (kIters > 0) {
       load_row(g_row, active, G, t, nvec, g);
       load_row(y_row, active, G, t, nvec, y);
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
-        if (static_cast<int64_t>(it) * G + t < nvec) dot[0] = vector_dot(dot[0], g[it], y[it]);
+        if (static_cast<int64_t>(it) * G + t < nvec) accumulate_dots(dot, g[it], y[it]);
       }
     } else {
       for (int64_t vi = t; active && vi < nvec; vi += G) {
         load_acc<kVec>(g_row + vi * kVec, g[0]);
         load_acc<kVec>(y_row + vi * kVec, y[0]);
-        dot[0] = vector_dot(dot[0], g[0], y[0]);
+        accumulate_dots(dot, g[0], y[0]);
       }
     }
     group_reduce(dot, G, partial, SumOp{});
     if (!active) continue;  // after the block-wide reduction
 
+    const GradSum<acc_t> dots{dot[0], dot[1]};
     const acc_t p = stats[2 * row];
     const acc_t grad_factor = stats[2 * row + 1];
     scalar_t* d_row = grad_input + row * d;
@@ -287,13 +295,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int64_t vi = static_cast<int64_t>(it) * G + t;
-        if (vi < nvec) store_normalize_grad(d_row, vi, g[it], y[it], dot[0], p, grad_factor);
+        if (vi < nvec) store_normalize_grad(d_row, vi, g[it], y[it], dots, p, grad_factor);
       }
     } else {
       for (int64_t vi = t; vi < nvec; vi += G) {
         load_acc<kVec>(g_row + vi * kVec, g[0]);
         load_acc<kVec>(y_row + vi * kVec, y[0]);
-        store_normalize_grad(d_row, vi, g[0], y[0], dot[0], p, grad_factor);
+        store_normalize_grad(d_row, vi, g[0], y[0], dots, p, grad_factor);
       }
     }
   }

@@ -14,7 +14,8 @@ import torch
 
 from .._ops.cosine import (check_cos_sim_matrix, check_cosine, check_cosine_backward,
                            check_normalize, check_normalize_backward)
-from .numerics import INF, acc_dtype, effective_eps, nf_largest, saturate
+from .numerics import (INF, acc_dtype, effective_eps, grad_sum_overflowed, grad_sum_scale,
+                       grad_sum_unscale, nf_largest, saturate)
 
 def _acc(t):
     return t.to(acc_dtype(t.dtype))
@@ -70,9 +71,16 @@ def cosine_value(scaled_dot, q1, q2):
     return cosine_clamp((scaled_dot * q1) * q2)
 
 
-def normalize_grad_value(g, y, dot, p, grad_factor):
-    # grad_factor before p: a 0 factor must not meet an overflowed product (inf * 0).
-    return ((g - y * dot) * grad_factor) * p
+def normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor):
+    """((g - y * dot) * grad_factor) * p: grad_factor before p, a 0 factor must
+    not meet an overflowed product (inf * 0). Where dot (a GradSum) overflowed,
+    at its scale 2^-64; where g - y * dot overflowed, at half scale."""
+    d = g - y * dot
+    plain = (d * grad_factor) * p
+    halved = (((0.5 * g - y * (0.5 * dot)) * grad_factor) * p) * 2.0
+    at_scale = (((g * grad_sum_scale() - y * dot_scaled) * grad_factor) * p) * grad_sum_unscale()
+    return torch.where(grad_sum_overflowed(dot, dot_scaled), at_scale,
+                       torch.where(torch.isinf(d), halved, plain))
 
 
 def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
@@ -107,7 +115,8 @@ def normalize_backward(grad_output, output, stats):
     g, y = _acc(grad_output), _acc(output)
     p, grad_factor = stats[..., :1], stats[..., 1:]
     dot = (g * y).sum(dim=-1, keepdim=True)
-    grad = normalize_grad_value(g, y, dot, p, grad_factor)
+    dot_scaled = ((g * grad_sum_scale()) * y).sum(dim=-1, keepdim=True)
+    grad = normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor)
     return _saturate_to(grad, output.dtype).to(output.dtype).contiguous()
 
 

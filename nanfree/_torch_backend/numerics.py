@@ -29,6 +29,24 @@ def saturate(x, bound):
     return x.clamp(-bound, bound)
 
 
+GRAD_SUM_SHIFT = 64  # kGradSumShift
+
+
+def grad_sum_scale():
+    """The scale of a GradSum's second sum of upstream gradients."""
+    return 2.0 ** -GRAD_SUM_SHIFT
+
+
+def grad_sum_unscale():
+    return 2.0 ** GRAD_SUM_SHIFT
+
+
+def grad_sum_overflowed(plain, scaled):
+    """A row sum of upstream gradients overflowed (to +-inf, or NaN once partial
+    sums of both signs did) while its twin at the scale 2^-64 holds it."""
+    return ~torch.isfinite(plain) & torch.isfinite(scaled)
+
+
 def effective_eps(eps, dtype):
     """An eps below dtype's smallest normal is raised to it (1/eps, log(eps) finite)."""
     return max(eps, nf_tiny(dtype))

@@ -9,7 +9,8 @@ reduced dimension, and the same special-value rules, written with torch.where. S
 import torch
 
 from .._ops.softmax import check_backward, check_forward
-from .numerics import INF, acc_dtype, lse_state, lse_value, nf_largest, saturate
+from .numerics import (INF, acc_dtype, grad_sum_overflowed, grad_sum_scale, grad_sum_unscale,
+                       lse_state, lse_value, nf_largest, saturate)
 
 # --- mirror of softmax_math.h (same names, whole rows at once) -------------------
 
@@ -53,19 +54,6 @@ def softmax_grad_value(g, y, dot, bound):
     return saturate(torch.where(torch.isinf(d), halved, y * d), bound)
 
 
-GRAD_SUM_SHIFT = 64  # kGradSumShift
-
-
-def grad_sum_scale():
-    return 2.0 ** -GRAD_SUM_SHIFT
-
-
-def grad_sum_overflowed(plain, scaled):
-    """The plain row sum overflowed (to +-inf, or NaN once partial sums of both
-    signs did) while the scaled one holds the row's sum."""
-    return ~torch.isfinite(plain) & torch.isfinite(scaled)
-
-
 def log_softmax_grad_value(g, y, plain, scaled, bound):
     """g - exp(y) * sum of the kept g, saturated to bound; where the plain sum
     overflowed, at the scale 2^-64 (an entry with exp(y) * sum 0 receives g).
@@ -73,7 +61,7 @@ def log_softmax_grad_value(g, y, plain, scaled, bound):
     zeroed by the caller)."""
     p = torch.exp(y)
     ps = p * scaled
-    at_scale = torch.where(ps == 0, g, (g * grad_sum_scale() - ps) * 2.0 ** GRAD_SUM_SHIFT)
+    at_scale = torch.where(ps == 0, g, (g * grad_sum_scale() - ps) * grad_sum_unscale())
     return saturate(torch.where(grad_sum_overflowed(plain, scaled), at_scale, g - p * plain), bound)
 
 

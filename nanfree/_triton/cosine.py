@@ -59,8 +59,8 @@ from .._ops.cosine import (COSINE_STATS, NORMALIZE_STATS, check_cos_sim_matrix, 
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded, store_saturated, widen
-from .numerics import (effective_eps, max_normal_exponent, min_normal_exponent, nf_ilogb,
-                       nf_ldexp, nf_sqrt)
+from .numerics import (GRAD_SUM_SCALE, GRAD_SUM_UNSCALE, effective_eps, grad_sum_overflowed,
+                       max_normal_exponent, min_normal_exponent, nf_ilogb, nf_ldexp, nf_sqrt)
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # Row kernels: rows of at most MAX_FUSED_D entries are loaded once, in tiles of
@@ -161,13 +161,20 @@ def cosine_value(scaled_dot, q1, q2):
 
 
 @triton.jit
-def normalize_grad_value(g, y, dot, p, grad_factor):
+def normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor):
     """d normalize: the gradient of y = x / norm for an incoming g, given
     dot = sum(g * y) over the vector and grad_factor = norm_grad_factor:
     (g - y * dot) / norm, with 1 / norm applied as grad_factor, then p. In that
     order a grad_factor of 0 gives 0 even where p (up to 2^126 for a vector of
     subnormals) would overflow the product first and make it inf * 0 = NaN."""
-    return ((g - y * dot) * grad_factor) * p
+    d = g - y * dot
+    plain = (d * grad_factor) * p
+    # Upstream gradients near the largest value: where dot (a GradSum) overflowed,
+    # at its scale 2^-64; where g - y * dot overflowed, at half scale.
+    halved = (((0.5 * g - y * (0.5 * dot)) * grad_factor) * p) * 2.0
+    at_scale = (((g * GRAD_SUM_SCALE - y * dot_scaled) * grad_factor) * p) * GRAD_SUM_UNSCALE
+    return tl.where(grad_sum_overflowed(dot, dot_scaled), at_scale,
+                    tl.where(tl.abs(d) == float("inf"), halved, plain))
 
 
 @triton.jit
@@ -283,19 +290,25 @@ def _normalize_backward_kernel(go_ptr, y_ptr, stats_ptr, gi_ptr, n_rows, d,
         g = load_acc(go_ptr, offs, inside, ACC)
         y = load_acc(y_ptr, offs, inside, ACC)
         dot = tl.sum(g * y, axis=1)[:, None]
-        grad = normalize_grad_value(g, y, dot, p, grad_factor)
+        dot_scaled = tl.sum((g * GRAD_SUM_SCALE) * y, axis=1)[:, None]
+        grad = normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor)
         store_saturated(gi_ptr, offs, grad, inside)
     else:
         partial = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
-        for start in range(0, d, BLOCK_D):
-            offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-            partial += load_acc(go_ptr, offs, inside, ACC) * load_acc(y_ptr, offs, inside, ACC)
-        dot = tl.sum(partial, axis=1)[:, None]
+        partial_scaled = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
         for start in range(0, d, BLOCK_D):
             offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
             g = load_acc(go_ptr, offs, inside, ACC)
             y = load_acc(y_ptr, offs, inside, ACC)
-            grad = normalize_grad_value(g, y, dot, p, grad_factor)
+            partial += g * y
+            partial_scaled += (g * GRAD_SUM_SCALE) * y
+        dot = tl.sum(partial, axis=1)[:, None]
+        dot_scaled = tl.sum(partial_scaled, axis=1)[:, None]
+        for start in range(0, d, BLOCK_D):
+            offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
+            g = load_acc(go_ptr, offs, inside, ACC)
+            y = load_acc(y_ptr, offs, inside, ACC)
+            grad = normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor)
             store_saturated(gi_ptr, offs, grad, inside)
 
 

@@ -220,6 +220,18 @@ def nf_ldexp(x, e):
         return x * _pow2_bits(e, tl.int32, 23, 127).to(tl.float32, bitcast=True)
 
 
+# A GradSum's second sum of upstream gradients is at the scale 2^-64 (kGradSumShift).
+GRAD_SUM_SCALE: tl.constexpr = 2.0 ** -64
+GRAD_SUM_UNSCALE: tl.constexpr = 2.0 ** 64
+
+
+@triton.jit
+def grad_sum_overflowed(plain, scaled):
+    # A row sum of upstream gradients overflowed (to +-inf, or NaN once partial
+    # sums of both signs did) while its twin at the scale 2^-64 holds it.
+    return tl.where(tl.abs(plain) < float("inf"), False, tl.abs(scaled) < float("inf"))
+
+
 @triton.jit
 def saturate(x, bound):
     # x within [-bound, bound] (a gradient must stay finite); NaN stays NaN.

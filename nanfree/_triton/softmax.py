@@ -46,8 +46,9 @@ from .._ops.softmax import check_backward, check_forward, row_shape, stats_shape
 from . import common
 from .common import device_guard
 from .element_io import store_rounded, store_saturated, widen
-from .numerics import (largest_finite, lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0,
-                       lse_value, saturate)
+from .numerics import (GRAD_SUM_SCALE, GRAD_SUM_UNSCALE, grad_sum_overflowed, largest_finite,
+                       lse_block_state, lse_merge, lse_scale, lse_tile_state_axis0, lse_value,
+                       saturate)
 
 # Forward modes (kernel constexpr).
 SOFTMAX = tl.constexpr(0)
@@ -135,18 +136,6 @@ def softmax_grad_value(g, y, dot, bound):
     # 0 * inf = NaN), formed at half scale (the same value where g or dot is inf).
     halved = 2.0 * (y * (0.5 * g - 0.5 * dot))
     return saturate(tl.where(tl.abs(d) == float("inf"), halved, y * d), bound)
-
-
-GRAD_SUM_SHIFT: tl.constexpr = 64  # kGradSumShift
-GRAD_SUM_SCALE: tl.constexpr = 2.0 ** -64  # grad_sum_scale()
-GRAD_SUM_UNSCALE: tl.constexpr = 2.0 ** 64
-
-
-@triton.jit
-def grad_sum_overflowed(plain, scaled):
-    # The plain row sum overflowed (to +-inf, or NaN once partial sums of both
-    # signs did) while the scaled one holds the row's sum.
-    return tl.where(tl.abs(plain) < float("inf"), False, tl.abs(scaled) < float("inf"))
 
 
 @triton.jit

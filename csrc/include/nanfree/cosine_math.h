@@ -109,13 +109,22 @@ NF_HOST_DEVICE T cosine_value(T scaled_dot, T q1, T q2) {
 }
 
 // d normalize: the gradient of y = x / norm for an incoming g, given
-// dot = sum(g * y) over the vector and grad_factor = norm_grad_factor:
-// (g - y * dot) / norm, with 1 / norm applied as grad_factor, then p. In that
-// order a grad_factor of 0 gives 0 even where p (up to 2^126 for a vector of
-// subnormals) would overflow the product first and make it inf * 0 = NaN.
+// dot = sum(g * y) over the vector (a GradSum of numerics.h) and grad_factor =
+// norm_grad_factor: (g - y * dot) / norm, with 1 / norm applied as
+// grad_factor, then p. In that order a grad_factor of 0 gives 0 even where p
+// (up to 2^126 for a vector of subnormals) would overflow the product first
+// and make it inf * 0 = NaN. The caller saturates the result.
+// Upstream gradients near the largest value: dot (up to the norm of g) may
+// overflow, then the difference is formed at dot's scale 2^-64; g - y * dot may
+// overflow although (g - y * dot) / norm need not, then it is formed at half
+// scale (and a grad_factor of 0 must not meet it as inf).
 template <typename T>
-NF_HOST_DEVICE T normalize_grad_value(T g, T y, T dot, T p, T grad_factor) {
-  return ((g - y * dot) * grad_factor) * p;
+NF_HOST_DEVICE T normalize_grad_value(T g, T y, GradSum<T> dot, T p, T grad_factor) {
+  if (grad_sum_overflowed(dot))
+    return (((g * grad_sum_scale<T>() - y * dot.scaled) * grad_factor) * p) * grad_sum_unscale<T>();
+  const T d = g - y * dot.plain;
+  if (nf_isinf(d)) return (((T(0.5) * g - y * (T(0.5) * dot.plain)) * grad_factor) * p) * T(2);
+  return (d * grad_factor) * p;
 }
 
 // d cosine_similarity with respect to x1 (swap the roles for x2): with

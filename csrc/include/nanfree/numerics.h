@@ -89,6 +89,39 @@ NF_HOST_DEVICE bool nf_isfinite(T x) {
   return !nf_isnan(x) && !nf_isinf(x);
 }
 
+// A row sum of upstream gradients g_j (log_softmax's sum of g, normalize's
+// dot of g and y), also taken at the scale 2^-kGradSumShift. The plain sum
+// overflows when g is near the largest value while the gradient formed from
+// it need not; the scaled sum holds 2^64 entries of the largest value. A
+// backend takes `scaled` only where `plain` is not finite (in the same pass
+// or in a second one); where both are fine the plain one keeps full precision
+// for small g (at the scale, g below 2^-62 in float would round).
+constexpr int kGradSumShift = 64;
+
+template <typename T>
+NF_HOST_DEVICE T grad_sum_scale() {
+  return nf_ldexp(T(1), -kGradSumShift);  // 2^-64, exact in float and double
+}
+
+template <typename T>
+NF_HOST_DEVICE T grad_sum_unscale() {
+  return nf_ldexp(T(1), kGradSumShift);
+}
+
+template <typename T>
+struct GradSum {
+  T plain;
+  T scaled;  // the sum of the terms times grad_sum_scale(); read only where plain is not finite
+};
+
+// Whether the plain sum overflowed (to +-inf, or to NaN once partial sums of
+// both signs overflowed) while the scaled one holds the row's sum. A NaN or
+// infinite g makes both non-finite: the plain rule then passes it on.
+template <typename T>
+NF_HOST_DEVICE bool grad_sum_overflowed(GradSum<T> sum) {
+  return !nf_isfinite(sum.plain) && nf_isfinite(sum.scaled);
+}
+
 // exp(a - b) for a <= b. Equal arguments give exactly 1, which is also the
 // limit when both are +inf: a - b would be inf - inf = NaN there.
 template <typename T>

@@ -93,33 +93,10 @@ NF_HOST_DEVICE T softmax_grad_value(T g, T y, T dot, T bound) {
   return saturate(y * d, bound);
 }
 
-// log_softmax's row sum of the kept g_j, also taken at the scale
-// 2^-kGradSumShift: the plain sum overflows when a few entries are near the
-// largest value (two of 3e38 in float) while each gradient g - exp(y) * sum may
-// be small (0 for x = [0, 0], g = [3e38, 3e38]); the scaled sum holds 2^64
-// entries of the largest value. A backend takes `scaled` only where `plain`
-// is not finite (in the same pass or in a second one).
-constexpr int kGradSumShift = 64;
-
-template <typename T>
-NF_HOST_DEVICE T grad_sum_scale() {
-  return nf_ldexp(T(1), -kGradSumShift);  // 2^-64, exact in float and double
-}
-
-template <typename T>
-struct GradSum {
-  T plain;
-  T scaled;  // the sum of g_j * grad_sum_scale(); read only where plain is not finite
-};
-
-// Whether the plain sum overflowed (to +-inf, or to NaN once partial sums of
-// both signs overflowed) while the scaled one holds the row's sum. A NaN or
-// infinite g makes both non-finite: the plain rule then passes it on.
-template <typename T>
-NF_HOST_DEVICE bool grad_sum_overflowed(GradSum<T> sum) {
-  return !nf_isfinite(sum.plain) && nf_isfinite(sum.scaled);
-}
-
+// log_softmax's row sum of the kept g_j is a GradSum (numerics.h): the plain
+// sum overflows when a few entries are near the largest value (two of 3e38 in
+// float) while each gradient g - exp(y) * sum may be small (0 for x = [0, 0],
+// g = [3e38, 3e38]).
 // d log_softmax: g - exp(y) * sum_j g_j, the sum over the kept entries.
 // exp(-inf) = 0, so an unmasked -inf entry receives g; a dropped entry's
 // output does not depend on its input, so it receives 0.
@@ -132,7 +109,7 @@ NF_HOST_DEVICE T log_softmax_grad_value(T g, T y, GradSum<T> sum, bool keep, T b
     // p = 0 (a -inf entry) receives g itself (0 * inf would be NaN; at the
     // scale a small g would round away).
     if (ps == T(0)) return saturate(g, bound);
-    return saturate((g * grad_sum_scale<T>() - ps) * nf_ldexp(T(1), kGradSumShift), bound);
+    return saturate((g * grad_sum_scale<T>() - ps) * grad_sum_unscale<T>(), bound);
   }
   // Two finite terms whose difference passes the range: the exact gradient
   // does too, and saturates.
