@@ -10,16 +10,10 @@ import torch
 
 from . import ops
 from ._ops import mnr as _mnr
-from ._ops.common import is_number
+from ._ops.common import check_dim_type, is_number
 
 __all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
            "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
-
-
-def _check_dim(module, dim):
-    # bool is an int to Python, not to torch.
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"nanfree.nn.{module}: `dim` must be an int, got {type(dim).__name__}")
 
 
 def _check_positive(module, name, value, allow_zero=False):
@@ -37,7 +31,7 @@ def _check_positive(module, name, value, allow_zero=False):
 class _OverDim(torch.nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        _check_dim(type(self).__name__, dim)
+        check_dim_type(f"nn.{type(self).__name__}", dim)
         self.dim = dim
 
     def extra_repr(self) -> str:
@@ -63,7 +57,7 @@ class CosineSimilarity(torch.nn.Module):
 
     def __init__(self, dim: int = 1, eps: float = 1e-8) -> None:
         super().__init__()
-        _check_dim("CosineSimilarity", dim)
+        check_dim_type("nn.CosineSimilarity", dim)
         # eps 0 is accepted, as torch's module does (the op then uses the
         # smallest normal number; a zero vector still gives 0).
         _check_positive("CosineSimilarity", "eps", eps, allow_zero=True)

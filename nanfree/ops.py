@@ -47,8 +47,8 @@ def _check_python_types(op, input, dim, dtype=None, mask=None):
 def _check_dtype_and_dim(op, dtype, dim):
     """What the C++ entry points would take otherwise: a bool dim (as 0 or 1; torch
     refuses it) and a dtype that is not floating (the error would blame `input`)."""
-    if dim.__class__ is bool:
-        raise TypeError(f"nanfree.{op}: `dim` must be an int, got bool")
+    if dim.__class__ is bool:  # the cheap test of the per-call path
+        check_dim_type(op, dim)  # raises: torch refuses a bool dim
     if dtype is not None and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
         raise TypeError(f"nanfree.{op}: `dtype` must be a floating dtype (float16, bfloat16, "
                         f"float32 or float64), got {dtype}")

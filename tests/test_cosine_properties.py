@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, DTYPES, HALF_DTYPES, INF, NAN
+from drop_in_checks import match_torch
 from memory_checks import largest_allocation, saved_sizes
 from cosine_oracle import cosine, cosine_grads, normalize_grad
 from cosine_oracle import normalize as oracle_normalize
@@ -520,20 +521,7 @@ def test_single_and_double_match_torch(device, dtype, op):
 
 
 def _match_torch(nf_fn, torch_fn, bases, view=lambda *ts: ts, **tol):
-    """nf_fn and torch_fn on view(*leaves) give the same output (dtype, shape,
-    values) and the same gradients for every leaf (dtype, shape, values)."""
-    results = []
-    for fn in (nf_fn, torch_fn):
-        leaves = [t.detach().clone().requires_grad_(True) for t in bases]
-        out = fn(*view(*leaves))
-        grads = torch.autograd.grad(out, leaves, _incoming(out.shape, out.dtype, out.device))
-        results.append((out.detach(), grads))
-    (n_out, n_grads), (t_out, t_grads) = results
-    assert n_out.dtype == t_out.dtype and n_out.shape == t_out.shape
-    torch.testing.assert_close(n_out, t_out, **tol)
-    for n_g, t_g in zip(n_grads, t_grads):
-        assert n_g.dtype == t_g.dtype and n_g.shape == t_g.shape
-        torch.testing.assert_close(n_g, t_g, **tol)
+    match_torch(nf_fn, torch_fn, bases, _incoming, view, **tol)
 
 
 def _randn(shape, dtype, device, seed):

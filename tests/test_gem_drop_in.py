@@ -5,10 +5,13 @@ masks), the modules (parameters, training, token pooling, state dicts), and the
 memory the backward keeps and allocates. The properties over extreme inputs are
 test_gem_properties.py, the special-value table test_gem_special_values.py."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, DTYPES, INTERPRETED
+from drop_in_checks import match_torch
 from memory_checks import peak_bytes, saved_sizes
 
 import nanfree.nn as nfnn
@@ -33,22 +36,14 @@ def _masked_composed(x, p, dim, eps=1e-6, keepdim=False, mask=None):
     return (total / keep.sum(dim=dim, keepdim=keepdim)).pow(1 / p)
 
 
+def _incoming(shape, dtype, device):
+    """A fixed incoming gradient in [-1, 1]."""
+    g = torch.cos(torch.arange(math.prod(shape), dtype=torch.float64) * 0.7 + 0.3)
+    return g.reshape(shape).to(dtype).to(device)
+
+
 def _match_torch(nf_fn, torch_fn, bases, view=lambda *ts: ts, **tol):
-    """nf_fn and torch_fn on view(*leaves) give the same output (dtype, shape,
-    values) and the same gradients for every leaf (dtype, shape, values)."""
-    results = []
-    for fn in (nf_fn, torch_fn):
-        leaves = [t.detach().clone().requires_grad_(True) for t in bases]
-        out = fn(*view(*leaves))
-        g = torch.cos(torch.arange(out.numel(), dtype=torch.float64) * 0.7 + 0.3)
-        grads = torch.autograd.grad(out, leaves, g.reshape(out.shape).to(out.dtype).to(out.device))
-        results.append((out.detach(), grads))
-    (n_out, n_grads), (t_out, t_grads) = results
-    assert n_out.dtype == t_out.dtype and n_out.shape == t_out.shape
-    torch.testing.assert_close(n_out, t_out, **tol)
-    for n_g, t_g in zip(n_grads, t_grads):
-        assert n_g.dtype == t_g.dtype and n_g.shape == t_g.shape
-        torch.testing.assert_close(n_g, t_g, **tol)
+    match_torch(nf_fn, torch_fn, bases, _incoming, view, **tol)
 
 
 def _rand(shape, dtype, device, seed, low=0.05):

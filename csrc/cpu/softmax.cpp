@@ -267,22 +267,6 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, int64_t dim,
   return {args.output, args.stats};
 }
 
-// log_softmax's backward of a row whose plain sum of the kept g overflowed
-// (g near the largest value): the sum again at the scale 2^-64 (GradSum of
-// softmax_math.h), then the shared scalar rule entry by entry. Rare.
-template <typename scalar_t, typename acc_t>
-void overflowed_log_softmax_row(const scalar_t* g_row, const scalar_t* s_row, acc_t plain,
-                                const MaskRow& keep, scalar_t* dx_row, int64_t cols) {
-  acc_t scaled = 0;
-  for (int64_t j = 0; j < cols; ++j)
-    if (keep.keep(j)) scaled += static_cast<acc_t>(g_row[j]) * grad_sum_scale<acc_t>();
-  const GradSum<acc_t> sum{plain, scaled};
-  const acc_t bound = largest_finite<scalar_t>();
-  for (int64_t j = 0; j < cols; ++j)
-    dx_row[j] = static_cast<scalar_t>(log_softmax_grad_value(
-        static_cast<acc_t>(g_row[j]), static_cast<acc_t>(s_row[j]), sum, keep.keep(j), bound));
-}
-
 // The backward of an unmasked row with a finite max and log_sum, the common
 // case, straight on the stored type: ATen's maps convert float16 / bfloat16
 // to float in registers, so no row is copied. The formulas are those of the
@@ -308,7 +292,7 @@ template <SoftmaxKind kind, typename scalar_t, typename acc_t>
     if (!std::isfinite(sum)) {
       // The sum overflowed (g near the largest value), or g holds NaN: the shared scalar rule
       // with the row's sum at the scale 2^-64 (rare; a second pass).
-      overflowed_log_softmax_row(g_row, s_row, sum, MaskRow{nullptr, 0}, dx_row, cols);
+      log_softmax_row_by_rule(g_row, s_row, 1, cols, sum, [](int64_t) { return true; }, dx_row);
       return;
     }
     const V sum_v(sum), out_max(largest_finite<scalar_t>()), out_min(-largest_finite<scalar_t>());
@@ -376,8 +360,11 @@ void backward_kernel(const BackwardArgs& args) {
         }
       }
       if constexpr (kind == SoftmaxKind::LogSoftmax) {
-        if (!nan_row && !std::isfinite(reduction)) {
-          overflowed_log_softmax_row(g_row, s_row, reduction, keep, dx_row, cols);
+        // A NaN row (exp_u20 would turn its NaN outputs into numbers) and a row
+        // whose sum overflowed: the shared scalar rule.
+        if (nan_row || !std::isfinite(reduction)) {
+          log_softmax_row_by_rule(g_row, s_row, 1, cols, reduction,
+                                  [&](int64_t j) { return keep.keep(j); }, dx_row);
           continue;
         }
       }
@@ -408,19 +395,13 @@ void backward_kernel(const BackwardArgs& args) {
           }, dx, g, s, n);
         } else {
           const acc_t* g = as_acc(g_row + start, n, g_buf.get());
-          if (nan_row) {
-            for (int64_t j = 0; j < n; ++j)
-              dx[j] = log_softmax_grad_value(g[j], s[j], GradSum<acc_t>{reduction, reduction},
-                                             chunk_keep.keep(j), bound);
-          } else {
-            const Vec<acc_t> sum_v(reduction), out_max(bound), out_min(-bound);
-            // g - exp(y) * sum, saturated, as log_softmax_grad_value.
-            at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) {
-              return saturate_vec(gv - shifted_exp(y) * sum_v, out_max, out_min);
-            }, dx, g, s, n);
-            // As log_softmax_grad_value: a dropped entry receives 0.
-            if (keep.data != nullptr) select_kept(dx, dx, chunk_keep, n, acc_t(0));
-          }
+          const Vec<acc_t> sum_v(reduction), out_max(bound), out_min(-bound);
+          // g - exp(y) * sum, saturated, as log_softmax_grad_value.
+          at::vec::map2([&](Vec<acc_t> gv, Vec<acc_t> y) {
+            return saturate_vec(gv - shifted_exp(y) * sum_v, out_max, out_min);
+          }, dx, g, s, n);
+          // As log_softmax_grad_value: a dropped entry receives 0.
+          if (keep.data != nullptr) select_kept(dx, dx, chunk_keep, n, acc_t(0));
         }
         store_row(dx, dx_row + start, n);
       }

@@ -403,18 +403,8 @@ NANFREE_HOT_LOOP void distribution_backward_kernel(const BackwardArgs& args) {
           // exp_u20 would turn the NaN outputs of a NaN row into numbers; a
           // lane whose sum overflowed (g near the largest value) takes the sum
           // again at the scale 2^-64 (GradSum). Both with the shared scalar rule.
-          acc_t scaled = 0;
-          for (int64_t j = 0; j < s.n; ++j) {
-            if (g_lanes.keep(j, l))
-              scaled += static_cast<acc_t>(g_base[j * s.inner + l]) * grad_sum_scale<acc_t>();
-          }
-          const GradSum<acc_t> sum{totals[l], scaled};
-          for (int64_t j = 0; j < s.n; ++j) {
-            const acc_t g = static_cast<acc_t>(g_base[j * s.inner + l]);
-            const acc_t y = static_cast<acc_t>(y_base[j * s.inner + l]);
-            dx_base[j * s.inner + l] = static_cast<scalar_t>(
-                log_softmax_grad_value(g, y, sum, g_lanes.keep(j, l), bound));
-          }
+          log_softmax_row_by_rule(g_base + l, y_base + l, s.inner, s.n, totals[l],
+                                  [&](int64_t j) { return g_lanes.keep(j, l); }, dx_base + l);
         }
       }
     }

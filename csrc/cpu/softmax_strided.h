@@ -29,5 +29,23 @@ void strided_forward(SoftmaxKind kind, const ForwardArgs& args);
 // Backward of the kind's op: fills args.grad_input.
 void strided_backward(SoftmaxKind kind, const BackwardArgs& args);
 
+// log_softmax's backward of one row by the shared scalar rule (both files' rare
+// paths: a row whose plain sum of the kept g overflowed, g near the largest
+// value, or a NaN row): the sum again at the scale 2^-64 (GradSum of
+// numerics.h), then log_softmax_grad_value entry by entry. Entry j of the row
+// is at g[j * stride] (y, dx likewise); keep(j) says whether it is kept.
+template <typename scalar_t, typename acc_t, typename Keep>
+void log_softmax_row_by_rule(const scalar_t* g, const scalar_t* y, int64_t stride, int64_t n,
+                             acc_t plain, const Keep& keep, scalar_t* dx) {
+  acc_t scaled = 0;
+  for (int64_t j = 0; j < n; ++j)
+    if (keep(j)) scaled += static_cast<acc_t>(g[j * stride]) * grad_sum_scale<acc_t>();
+  const GradSum<acc_t> sum{plain, scaled};
+  const acc_t bound = largest_finite<scalar_t>();
+  for (int64_t j = 0; j < n; ++j)
+    dx[j * stride] = static_cast<scalar_t>(log_softmax_grad_value(
+        static_cast<acc_t>(g[j * stride]), static_cast<acc_t>(y[j * stride]), sum, keep(j), bound));
+}
+
 }  // namespace cpu
 }  // namespace nanfree

@@ -37,10 +37,15 @@ def is_symbolic(value):
         value, (torch.SymFloat, torch.SymInt, torch.SymBool))
 
 
+def is_bool(value):
+    """A Python, numpy or symbolic bool (a bool is an int to Python, not to torch)."""
+    return isinstance(value, (bool, torch.SymBool)) or type(value).__name__ == "bool_"
+
+
 def is_number(value):
     """A real number as torch takes one: int, float, numpy scalars, symbolic
     numbers; not bool (torch refuses bool where it wants a number)."""
-    if isinstance(value, (bool, torch.SymBool)) or type(value).__name__ == "bool_":
+    if is_bool(value):
         return False
     return isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt))
 
@@ -109,8 +114,7 @@ def check_number(op, name, value):
 
 
 def check_dim_type(op, dim):
-    # bool is an int to Python, not to torch.
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if is_bool(dim) or not isinstance(dim, int):
         raise TypeError(f"nanfree.{op}: `dim` must be an int, got {type(dim).__name__}")
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import (acc_dtype, as_float, check_device, check_float, check_number, check_tensors,
-                     fake_kernels, is_symbolic)
+                     fake_kernels, is_bool, is_symbolic)
 
 FORWARD_OPS = ("mnr_loss",)
 BACKWARD_OPS = ("mnr_loss_backward",)
@@ -359,15 +359,11 @@ DEFAULT_DIRECTIONS = ("query_to_doc",)
 SYMMETRIC = (("query_to_doc", "doc_to_query"), "per_direction")
 
 
-def _is_bool(value):
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
-
-
 def torch_style_options(symmetric, directions, partition_mode, hardness_mode, hardness_strength,
                  reduction):
     """The op's integer options, after sentence-transformers' checks."""
     op = "mnr_loss"
-    if not _is_bool(symmetric):
+    if not is_bool(symmetric):
         raise TypeError(f"nanfree.{op}: `symmetric` must be a bool, got {symmetric!r}")
     if symmetric:
         if tuple(directions) != DEFAULT_DIRECTIONS or partition_mode != "joint":
