@@ -122,6 +122,24 @@ def _openmp_flags():
     return ["-fopenmp"]
 
 
+def _shared_libstdcxx():
+    """The libstdc++.so.6 this Python (with torch) has loaded, as a link input of
+    every extension: a compiler whose own libstdc++ is static-only would
+    otherwise copy the library into each extension, and such a copy's locale is
+    never initialized (formatting a number into an error message then crashes
+    or prints nothing). Where the compiler links libstdc++.so.6 anyway, this is
+    the same library. Empty off Linux."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so.6" in line}
+    except OSError:
+        return []
+    return sorted(paths)[:1]
+
+
+LINK_FLAGS = _shared_libstdcxx()
+
+
 def _cuda_extension():
     if _cuda_mode == "0":
         return None
@@ -159,6 +177,7 @@ def _cuda_extension():
             "cxx": CXX_FLAGS,
             "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
         },
+        extra_link_args=LINK_FLAGS,
     )
 
 
@@ -251,7 +270,7 @@ def _cuda_emulation_extensions():
                                         "-fvisibility=hidden", "-Wno-subobject-linkage",
                                         "-Wno-maybe-uninitialized", "-Wno-uninitialized",
                                         "-DNANFREE_CUDA_EMULATION", *cflags]},
-            extra_link_args=ldflags,
+            extra_link_args=ldflags + LINK_FLAGS,
             depends=[os.path.relpath(p, HERE) for p in depends],
         ))
     return extensions
@@ -261,10 +280,10 @@ ext_modules = [
     # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
     CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
                  include_dirs=INCLUDE_DIRS,
-                 extra_compile_args={"cxx": CXX_FLAGS}),
+                 extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS),
     CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags() + _openmp_flags()},
-                 extra_link_args=_openmp_flags()),
+                 extra_link_args=_openmp_flags() + LINK_FLAGS),
 ]
 _cuda = _cuda_extension()
 if _cuda is not None:
