@@ -138,3 +138,60 @@ def test_modules():
     torch.testing.assert_close(nfnn.Softmax(dim=1)(x, mask=mask), nf.softmax(x, 1, mask=mask))
     torch.testing.assert_close(nfnn.LogSoftmax(-1)(x), torch.log_softmax(x, -1))
     assert "dim=1" in repr(nfnn.Softmax(dim=1))
+
+
+def _triton_functions():
+    """(module name, function name, Python function) of every @triton.jit
+    function in nanfree/_triton, compiled or interpreted alike."""
+    import pkgutil
+
+    import nanfree._triton as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"nanfree._triton.{info.name}")
+        for name, value in vars(module).items():
+            fn = getattr(value, "fn", None)
+            if callable(fn) and getattr(fn, "__module__", None) == module.__name__ \
+                    and type(value).__module__.startswith("triton."):
+                yield module.__name__, name, fn
+
+
+def _global_triton_accepts(value):
+    """Whether compiled Triton lets a kernel read this module-level value (the
+    rule of its code generator's global lookup; the interpreter checks nothing)."""
+    import types
+
+    import triton.language as tl
+
+    module = getattr(value, "__module__", "") or ""
+    return (isinstance(value, (types.ModuleType, tl.constexpr, tl.dtype))
+            or type(value).__module__.startswith("triton.runtime")  # other jit functions
+            or getattr(value, "__triton_builtin__", False)
+            or getattr(value, "__triton_aggregate__", False)
+            or module.startswith("triton.language")
+            or (isinstance(value, tuple) and hasattr(value, "_fields")))
+
+
+@pytest.mark.backend_independent
+def test_triton_kernels_read_only_globals_compiled_triton_accepts():
+    # A global written `X: tl.constexpr = 1.0` runs under the interpreter but
+    # fails to compile on a GPU ("Cannot access global variable X"): it must be
+    # `X = tl.constexpr(1.0)`. This finds such globals without a GPU.
+    import ast
+    import inspect
+    import textwrap
+
+    functions = list(_triton_functions())
+    assert len(functions) > 20
+    bad = []
+    for module, name, fn in functions:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+        local |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                  and isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                    and node.id not in local and node.id in fn.__globals__ \
+                    and not _global_triton_accepts(fn.__globals__[node.id]):
+                bad.append(f"{module}.{name} reads {node.id}")
+    assert not bad, sorted(set(bad))

@@ -221,8 +221,8 @@ def nf_ldexp(x, e):
 
 
 # A GradSum's second sum of upstream gradients is at the scale 2^-64 (kGradSumShift).
-GRAD_SUM_SCALE: tl.constexpr = 2.0 ** -64
-GRAD_SUM_UNSCALE: tl.constexpr = 2.0 ** 64
+GRAD_SUM_SCALE = tl.constexpr(2.0 ** -64)
+GRAD_SUM_UNSCALE = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
