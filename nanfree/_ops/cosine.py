@@ -178,4 +178,14 @@ def normalize_p(input, p, dim, eps):
     y = torch.where(torch.isinf(amax), limit, y)
     # A NaN entry makes its vector NaN (amax is NaN there).
     y = torch.where(torch.isnan(amax), amax, y)
-    return y.to(input.dtype)
+    return y.to(_normalize_result_dtype(input))
+
+
+def _normalize_result_dtype(input):
+    """F.normalize's result dtype: under CUDA autocast its norm runs in float32
+    (the fp32 list), so a float16 or bfloat16 input gives float32, as the fused
+    p = 2 op's autocast kernel does; elsewhere the input's dtype."""
+    if (input.device.type == "cuda" and input.dtype in (torch.float16, torch.bfloat16)
+            and torch.is_autocast_enabled("cuda")):
+        return torch.float32
+    return input.dtype
