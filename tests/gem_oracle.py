@@ -7,6 +7,7 @@ Rules applied on top of the formula, per reduction:
 - no kept entry: 0 (gradients 0);
 - a kept +inf entry: +inf (gradients 0);
 - a kept NaN entry: NaN (its gradients are checked by the rule, not here);
+- an entry at or below eps gets gradient 0;
 - a tensor p is clamped to [1e-2, 1e2], its gradient 0 beyond the bounds and
   passed at them (p_used).
 """
@@ -38,7 +39,9 @@ def gem(x, p, dim, eps, mask=None, acc=torch.float32):
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else (mask != 0).expand(x.shape)
     pv = p_used(p, acc)
-    c = torch.clamp(x, min=eps)
+    # max(x, eps) passing gradient only above eps (the rule); torch.clamp's
+    # gradient at the bound itself differs between torch versions (1 up to 2.13).
+    c = torch.where(x > eps, x, x.detach().clamp(min=eps))
     # Special entries are kept out of the formula (their rows are overridden
     # below), so they put no NaN into the autograd graph of the other rows.
     regular = keep & torch.isfinite(c)

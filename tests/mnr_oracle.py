@@ -29,14 +29,15 @@ def composed_mnr_loss(queries, positives, negatives=None, *, scale=20.0,
     m = docs_all.shape[0]
     qn = F.normalize(queries, dim=-1)
     dn = F.normalize(docs_all, dim=-1)
-    g = torch.arange(offset, offset + b)
-    j = torch.arange(m)
+    device = queries.device
+    g = torch.arange(offset, offset + b, device=device)
+    j = torch.arange(m, device=device)
     own = (j[None, :] < owned_end) & (j[None, :] % r == g[:, None])
     sims = {"query_to_doc": qn[g] @ dn.T}
     excluded = {}
     if "query_to_query" in directions:
         sims["query_to_query"] = qn[g] @ qn.T
-        excluded["query_to_query"] = torch.arange(r)[None, :] == g[:, None]
+        excluded["query_to_query"] = torch.arange(r, device=device)[None, :] == g[:, None]
     if "doc_to_query" in directions:
         sims["doc_to_query"] = dn[g] @ qn.T
     if "doc_to_doc" in directions:
@@ -59,9 +60,9 @@ def composed_mnr_loss(queries, positives, negatives=None, *, scale=20.0,
         logits[k] = logits[k].masked_fill(mask, float("-inf"))
     if penalty is not None:
         logits["query_to_doc"] = logits["query_to_doc"] + penalty
-    positive = logits["query_to_doc"][torch.arange(b), g]
+    positive = logits["query_to_doc"][torch.arange(b, device=device), g]
     if penalty is not None:
-        positive = positive - penalty[torch.arange(b), g]
+        positive = positive - penalty[torch.arange(b, device=device), g]
     if partition_mode == "joint":
         log_z = torch.logsumexp(torch.cat(list(logits.values()), dim=1), dim=1)
     else:

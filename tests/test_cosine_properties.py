@@ -171,7 +171,7 @@ def test_normalize_extreme_inputs(device, batch, eps, transposed):
     eps = torch.finfo(dtype).tiny if eps == "tiny" else eps  # 1e-25s are then not below eps
     rows = _held(x)
     # The vectors as rows (dim=1) or as the columns of a contiguous tensor (dim=0).
-    inp = (x.t().contiguous() if transposed else x).to(device).requires_grad_(True)
+    inp = (x.t().contiguous() if transposed else x).detach().to(device).requires_grad_(True)
     dim = 0 if transposed else 1
     y = nf.normalize(inp, dim=dim, eps=eps)
     assert y.dtype == dtype and y.shape == inp.shape
@@ -219,12 +219,12 @@ def test_cosine_similarity_extreme_inputs(device, batch, eps, layout, pairing):
     eps = 1e-8 if eps == "default" else torch.finfo(dtype).tiny
     rows_a, rows_b = _held(xa), _held(xb)
     if layout == "columns":
-        a = xa.t().contiguous().to(device).requires_grad_(True)
-        b = xb.t().contiguous().to(device).requires_grad_(True)
+        a = xa.t().contiguous().detach().to(device).requires_grad_(True)
+        b = xb.t().contiguous().detach().to(device).requires_grad_(True)
         dim = 0
     else:
-        a = xa.to(device).requires_grad_(True)
-        b = xb.to(device).requires_grad_(True)
+        a = xa.detach().to(device).requires_grad_(True)
+        b = xb.detach().to(device).requires_grad_(True)
         dim = 1
     c = nf.cosine_similarity(a, b, dim=dim, eps=eps)
     assert c.dtype == dtype and c.shape == (rows_n,)
@@ -268,8 +268,8 @@ def test_cosine_similarity_extreme_inputs(device, batch, eps, layout, pairing):
 def test_cos_sim_extreme_inputs(device, batch):
     dtype, (xa, xb) = batch
     rows_a, rows_b = _held(xa), _held(xb)
-    a = xa.to(device).requires_grad_(True)
-    b = xb.to(device).requires_grad_(True)
+    a = xa.detach().to(device).requires_grad_(True)
+    b = xb.detach().to(device).requires_grad_(True)
     s = nf.cos_sim(a, b)
     assert s.dtype == dtype and s.shape == (len(rows_a), len(rows_b))
     got = s.detach().cpu().double()
@@ -370,7 +370,7 @@ def test_nan_stays_in_its_row(device, batch, op):
     other = other.repeat(rows, 1)[:rows].to(device)
 
     def run(x):
-        x = x.to(device).requires_grad_(True)
+        x = x.detach().to(device).requires_grad_(True)
         if op == "normalize":
             out = nf.normalize(x)
         else:
@@ -398,7 +398,7 @@ def test_cos_sim_nan_stays_in_its_row_and_column(device, batch, swap):
     other = other.to(device)
 
     def run(x):
-        x = x.to(device).requires_grad_(True)
+        x = x.detach().to(device).requires_grad_(True)
         s = nf.cos_sim(other, x) if swap else nf.cos_sim(x, other)
         (dx,) = torch.autograd.grad(s, x, _incoming(s.shape, dtype, device))
         s = s.detach().cpu().double()

@@ -28,7 +28,7 @@ def _activations(*shape, device, seed=0, negatives=True):
     x = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 + 0.2
     if negatives:
         x = torch.where(torch.rand(shape, generator=gen) < 0.2, -x, x)
-    return x.to(device).requires_grad_(True)
+    return x.detach().to(device).requires_grad_(True)
 
 
 def _p(value, shape, device, dtype=torch.float64):
@@ -342,7 +342,7 @@ def test_masked_entries_get_exactly_zero(device, layout):
         dirty[tuple(pos)] = specials[k % 4]
     leaves = []
     for values in (x, dirty):
-        v = values.to(device).requires_grad_(True)
+        v = values.detach().to(device).requires_grad_(True)
         p = torch.tensor([2.5], device=device, requires_grad=True)
         out = nf.gem(v, p, dim, mask=mask.to(device))
         out.backward(torch.ones_like(out))

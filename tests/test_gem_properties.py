@@ -86,7 +86,7 @@ def _run_gem(v, p, eps, mask, layout, device, g):
     base, dim = _to_layout(v, layout)
     # The input contiguous in its layout (the kernels' own strides); the mask
     # keeps the layout's view (strided).
-    x = base.contiguous().to(device).requires_grad_(True)
+    x = base.contiguous().detach().to(device).requires_grad_(True)
     m = None if mask is None else _to_layout(mask, layout)[0].to(device)
     if isinstance(p, torch.Tensor):
         p = p.detach().clone().to(device).requires_grad_(True)
@@ -504,7 +504,10 @@ def test_error_at_most_twice_torch_out_of_torch_range(device, case, layout):
     x = (magnitude * torch.pow(2.0, exponents)).to(dtype)
     # eps below every activation (and still a normal number once scaled)
     eps = min(1e-6, magnitude / 1e3)
-    torch_finite = _check_twice_torch(x, p, dim, eps, device, torch_scale)
+    # The known float32 p = 64 limit (_KNOWN_RATIO_ROUNDING) applies here too: on a
+    # GPU, whose powf rounds differently, the fp32 1e4 p=64 case meets it.
+    skip = ("grad x",) if (dtype, p) in _KNOWN_RATIO_ROUNDING else ()
+    torch_finite = _check_twice_torch(x, p, dim, eps, device, torch_scale, skip=skip)
     assert not torch_finite, "this case is meant to leave torch's range"
 
 

@@ -347,7 +347,7 @@ def test_fp16_eps_power_underflow(device):
     # eps^p underflows in fp16 (and (1e-4)^3 too): computed in fp32 on ratios.
     x = torch.full((2, 16), 1e-4, dtype=torch.float16)
     x[1] = 0
-    x = x.to(device).requires_grad_(True)
+    x = x.detach().to(device).requires_grad_(True)
     p = torch.tensor([3.0], device=device, requires_grad=True)
     out = nf.gem(x, p, dim=1)
     assert torch.isfinite(out).all() and out[0] > 0
@@ -524,7 +524,7 @@ def test_long_rows_match_oracle(dtype, device):
     x[1, 4000:] = 0.0  # clamped entries in a long row
     p = torch.tensor([2.5], dtype=torch.float32, requires_grad=True)
     grad = torch.randn(5, generator=gen, dtype=dtype)
-    xd = x.to(device).requires_grad_(True)
+    xd = x.detach().to(device).requires_grad_(True)
     pd = p.detach().to(device).requires_grad_(True)
     out = nf.gem(xd, pd, dim=1)
     dx, dp = torch.autograd.grad(out, (xd, pd), grad.to(device))
