@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: builds the extension for the card, then runs side by
+# side, each under a time limit, the checks of docs/gpu.md:
+#   cuda.log       the whole suite, default backends (CUDA kernels on CUDA tensors)
+#   triton.log     the whole suite with NANFREE_BACKEND=triton (compiled Triton)
+#   memcheck.log   compute-sanitizer memcheck over every family's special-value table on CUDA
+#   racecheck.log  compute-sanitizer racecheck over every family's kernels once (scripts/gpu_checks.py --smoke)
+#   extra.log      CUDA graphs, compiled training steps and autocast dtypes (scripts/gpu_checks.py)
+# Logs go to the folder given as the first argument (default gpu-logs).
+# Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
+# (the time limit of each check, 280), SKIP_BUILD=1 to reuse the last build.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs="${1:-gpu-logs}"
+mkdir -p "$logs"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+limit="${CHECK_SECONDS:-280}"
+start=$SECONDS
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
+  if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" NANFREE_CUDA=1 \
+      python3 setup.py build_ext --inplace >"$logs/build.log" 2>&1; then
+    tail -40 "$logs/build.log"
+    echo "build failed"
+    exit 1
+  fi
+  echo "build took $((SECONDS - start)) s"
+fi
+python3 -c "import nanfree, json; print(json.dumps(nanfree.backend_info()['ops']['softmax']))"
+
+workers=6
+pytest=(python3 -m pytest -q -p no:cacheprovider -rfE)
+timeout "$limit" "${pytest[@]}" -n "$workers" tests >"$logs/cuda.log" 2>&1 &
+NANFREE_BACKEND=triton timeout "$limit" "${pytest[@]}" -n "$workers" -m "not backend_independent" \
+  tests >"$logs/triton.log" 2>&1 &
+timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 "${pytest[@]}" -k cuda \
+  tests/test_*_special_values.py >"$logs/memcheck.log" 2>&1 &
+timeout "$limit" compute-sanitizer --tool racecheck --error-exitcode 9 \
+  python3 scripts/gpu_checks.py --smoke >"$logs/racecheck.log" 2>&1 &
+timeout "$limit" python3 scripts/gpu_checks.py >"$logs/extra.log" 2>&1 &
+wait
+echo "checks done at $((SECONDS - start)) s"
+for log in cuda triton memcheck racecheck extra; do
+  echo "=== $log"
+  grep -E "^(FAILED|ERROR)|^FAIL |passed|failed|ERROR SUMMARY|Hazard|Invalid|RACECHECK SUMMARY|smoke:" \
+    "$logs/$log.log" | head -25
+  tail -2 "$logs/$log.log"
+done
