@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nanfree.ops as nf
+from nanfree._backends import SERVING
 
 
 
@@ -132,3 +133,30 @@ def test_long_rows_match_torch(device):
     x[1, 12345] = 500.0
     for op in ("softmax", "log_softmax", "logsumexp"):
         torch.testing.assert_close(getattr(nf, op)(x, -1), getattr(torch, op)(x, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "logsumexp"])
+def test_very_long_float32_rows_at_most_twice_torch(device, op):
+    # 2^21 columns: a row of thousands of chunks or blocks, whose partial sums
+    # must be combined without a float running sum's loss of digits.
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(2, 2**21, generator=gen) * 3).to(device)
+    (n_out, t_out), (n_dx, t_dx), out_magnitude = _errors(op, x, None, -1)
+    floor = _ulp_floor(torch.float32, max(3.0, out_magnitude))
+    assert n_out <= 2 * t_out + floor, f"forward error {n_out} vs torch {t_out}"
+    assert n_dx <= 2 * t_dx + floor, f"gradient error {n_dx} vs torch {t_dx}"
+
+
+@pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the C++ CPU kernels' chunked rows only: "
+                    "2^23 columns is too slow interpreted or emulated")
+def test_logsumexp_of_2_23_float32_columns_as_accurate_as_torch():
+    # The C++ kernels sum a row in chunks of 1024 columns: 8192 chunks here,
+    # whose states a float running sum merged with up to 6x torch's error (1e-7
+    # relative); merged in double, the error is the output's rounding, torch's.
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 2**23, generator=gen) * 3
+    ref = torch.logsumexp(x.double(), -1)
+    ours = (nf.logsumexp(x, -1).double() - ref).norm() / ref.norm()
+    theirs = (torch.logsumexp(x, -1).double() - ref).norm() / ref.norm()
+    assert ours <= 2 * theirs, (float(ours), float(theirs))

@@ -194,25 +194,30 @@ void forward_kernel(const ForwardArgs& args) {
       acc_t* exps = kind != SoftmaxKind::Softmax ? nullptr
                      : buffered                     ? exp_buffer.get()
                                                     : acc_destination(out + r * cols, exp_buffer.get());
-      LseState<acc_t> state = lse_empty<acc_t>();
+      // The chunks' states merged in double: a float running sum over
+      // thousands of chunks loses digits (2^23 columns: up to 1e-7 relative in the
+      // logsumexp, six times torch's cascade sum).
+      LseState<double> wide = lse_empty<double>();
       const acc_t* last_loaded = nullptr;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * kChunk, n = std::min(kChunk, cols - start);
         const auto [x, m] = load_with_max(start, n);
         const LseState<acc_t> part = chunk_state(x, n, m, exps == nullptr ? nullptr : exps + start);
         chunk_maxima[c] = part.max;
-        state = c == 0 ? part : lse_merge(state, part);
+        const LseState<double> part_wide{part.max, part.sum};
+        wide = c == 0 ? part_wide : lse_merge(wide, part_wide);
         last_loaded = x;
       }
+      const LseState<acc_t> state{static_cast<acc_t>(wide.max), static_cast<acc_t>(wide.sum)};
       // The output pass reads the values again: a single chunk's are still loaded.
       const auto reload = [&](int64_t start, int64_t n) {
         return chunks == 1 ? last_loaded : load(start, n);
       };
-      const acc_t log_sum = nf_log(state.sum);
+      const acc_t log_sum = static_cast<acc_t>(nf_log(wide.sum));
       stats_out[2 * r] = state.max;
       stats_out[2 * r + 1] = log_sum;
       if constexpr (kind == SoftmaxKind::LogSumExp) {
-        out[r] = static_cast<scalar_t>(lse_value(state));
+        out[r] = static_cast<scalar_t>(lse_value(wide));
         continue;
       }
       scalar_t* y = out + r * cols;
