@@ -66,9 +66,10 @@ TORCH_LIBRARY(nanfree, m) {
   // ([rows]), 1 mean, 2 sum (0-d). `scale` is None (then `scale_value` > 0
   // is used) or a floating tensor of one element. Returns (loss, stats,
   // grad_queries, grad_docs, grad_scale): loss in float32 (float64 for
-  // float64 docs); stats [rows, 2] of that dtype, each local row's two
+  // float64 docs); stats [rows, 3] of that dtype, each local row's two
   // logsumexps (its query row, its positive's row: -inf without
-  // doc_to_query / doc_to_doc); with `grad`, the gradients of the loss for
+  // doc_to_query / doc_to_doc) relative to its target logit t = scale *
+  // cos(query, positive), then t; with `grad`, the gradients of the loss for
   // an upstream gradient of 1 (ones for reduction none), in the inputs'
   // dtype and, for a tensor scale, a 0-d accumulation-dtype scale gradient;
   // else empty [0] tensors.

@@ -318,12 +318,12 @@ def test_opcheck_mnr_loss_backward(device, case):
 @pytest.mark.parametrize("device", DEVICES)
 def test_raw_ops_outputs(device):
     # The ops' contract (csrc/registration.cpp): loss [rows] or [] and stats
-    # [rows, 2] in the accumulation dtype; with grad, gradients in the inputs'
+    # [rows, 3] in the accumulation dtype; with grad, gradients in the inputs'
     # dtype and a 0-d accumulation-dtype scale gradient; else empty [0] tensors.
     args = _opcheck_args(device, torch.float16, "tensor", 15, False, 0, 0, (1, 3), False)
     loss, stats, gq, gd, gs = OPS.mnr_loss(*args, False)
     assert loss.shape == (3,) and loss.dtype == torch.float32
-    assert stats.shape == (3, 2) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
+    assert stats.shape == (3, 3) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
     assert gq.shape == gd.shape == gs.shape == (0,)
     # reduction none with grad: the gradients of an upstream of ones.
     loss, stats, gq, gd, gs = OPS.mnr_loss(*args, True)

@@ -418,7 +418,7 @@ def test_meta_tensors_give_shapes_and_dtypes(dtype):
     scale = torch.empty((), device="meta")
     loss, stats, gq, gd, gs = OPS.mnr_loss(q, docs, scale, 0.0, 1, 2, 3, 15, False, 0, 0.0, 0,
                                            True)
-    assert loss.shape == (2,) and loss.dtype == acc and stats.shape == (2, 2)
+    assert loss.shape == (2,) and loss.dtype == acc and stats.shape == (2, 3)
     assert gq.shape == q.shape and gq.dtype == dtype and gd.shape == docs.shape
     assert gs.shape == () and gs.dtype == acc
     gq, gd, gs = OPS.mnr_loss_backward(loss, q, docs, None, 20.0, stats, 1, 2, 3, 15, False, 0,

@@ -474,3 +474,44 @@ def test_many_candidates_match_oracle(reduction, device):
     torch.testing.assert_close(loss.detach().cpu().double(), ref.detach(), rtol=1e-5, atol=1e-6)
     for ours, theirs in zip(grads, ref_grads):
         torch.testing.assert_close(ours.cpu().double(), theirs, rtol=1e-4, atol=1e-7)
+
+
+# --- a loss near 0 --------------------------------------------------------------------
+
+def test_one_row_loss_is_exactly_zero(device):
+    # B = 1 with query_to_doc only: log(exp(t)) - t, exactly 0 for any embeddings.
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        q, p = (torch.randn(1, 48, generator=gen).to(device, dtype) for _ in range(2))
+        for scale in (1.0, 20.0, 100.0):
+            assert nf.mnr_loss(q, p, scale=scale).item() == 0.0
+            assert nf.mnr_loss(q, q, scale=scale).item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("config", [(("query_to_doc",), "joint"),
+                                    (("query_to_doc", "doc_to_query"), "per_direction"),
+                                    (("query_to_doc", "doc_to_query"), "joint")],
+                         ids=["one direction", "symmetric", "symmetric joint"])
+@pytest.mark.parametrize("scale", [20.0, 100.0])
+def test_loss_near_zero_within_twice_torch(device, dtype, config, scale):
+    # Positives equal to the queries (or nearly): the loss is log(1 + tiny), 1e-11
+    # at scale 100. Formed from the rows' logsumexps relative to the target logit,
+    # its largest error over the rows is at most twice the composed loss's
+    # (sentence-transformers', in the same dtype) against the float64 oracle;
+    # in float64 (no more precise oracle here) within a few units of rounding.
+    directions, partition = config
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(64, 32, generator=gen, dtype=torch.float64)
+    for p in (q, q + 1e-3 * torch.randn(64, 32, generator=gen, dtype=torch.float64)):
+        qd, pd = q.to(dtype), p.to(dtype)
+        kw = dict(scale=scale, directions=directions, partition_mode=partition, reduction="none")
+        ours = nf.mnr_loss(qd.to(device), pd.to(device), **kw).cpu().double()
+        exact = composed_mnr_loss(qd.double(), pd.double(), **kw)
+        error = float((ours - exact).abs().max())
+        if dtype == torch.float64:
+            assert error <= 64 * torch.finfo(dtype).eps * (1 + float(exact.abs().max())), error
+        else:
+            theirs = composed_mnr_loss(qd, pd, **kw).double()
+            assert error <= 2 * float((theirs - exact).abs().max()) + 1e-30, \
+                (error, float((theirs - exact).abs().max()))

@@ -109,7 +109,7 @@ def check(q, docs, *, scale=None, scale_value=20.0, offset=0, rows=None, owned_b
               hardness_strength, reduction)
     qd, dd, sd = on_device(q, docs, scale)
     loss, stats, gq0, gd0, gs0 = K._mnr_loss_normalized(qd, dd, sd, scale_value, *config, False)
-    assert loss.dtype == acc and stats.dtype == acc and stats.shape == (rows, 2)
+    assert loss.dtype == acc and stats.dtype == acc and stats.shape == (rows, 3)
     assert loss.shape == ((rows,) if reduction == 0 else ())
     assert gq0.shape == gd0.shape == gs0.shape == (0,) and gs0.dtype == acc
     assert gq0 is not gd0  # outputs of an op may not alias
@@ -175,7 +175,7 @@ def test_refuses_tensors_the_kernels_cannot_run_on(device):
     words = triton_refusal_words(DEVICE)
     q = torch.ones(2, 4, device=device)
     docs = torch.ones(4, 4, device=device)
-    stats = torch.zeros(2, 2, device=device)
+    stats = torch.zeros(2, 3, device=device)
     g = torch.ones(2, device=device)
     config = (0, 2, 1, 1, False, 0, 0.0, 0)
     calls = [

@@ -21,17 +21,18 @@
 //     out += a @ b, out acc_t, a an acc_t matrix or its transpose (a view),
 //     b an operand matrix.
 //   static void row_stats(const at::Tensor& cos, const MnrTile&, const at::Tensor& scale,
-//                         double hardness_strength, at::Tensor lse, at::Tensor positive_cos);
-//     lse[i] = logsumexp of row i's logits; positive_cos[i] (undefined for
-//     P rows) = cos of row i's positive. `scale` is 0-d acc_t.
+//                         double hardness_strength, at::Tensor lse, at::Tensor target);
+//     lse[i] = logsumexp of row i's logits relative to its target logit
+//     (mnr_relative_lse); target[i] = t (mnr_target_logit of the positive's
+//     cosine, column g) is written by Q rows and read by P rows. `scale` is
+//     0-d acc_t.
 //   static void row_grads(at::Tensor cos, const MnrTile&, const at::Tensor& scale,
 //                         double hardness_strength, const at::Tensor& stats,
 //                         const at::Tensor& upstream, bool per_direction, bool has_p_row,
 //                         at::Tensor scale_grad);
 //     cos[i, j] <- scale * dlogit (mnr_logit_grad, from the row's stats
-//     [rows, 2] and upstream [rows]); scale_grad[i] = sum_j dlogit * cos.
-//   static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
-//                          const at::Tensor& scale, bool per_direction, bool has_p_row,
+//     [rows, kMnrStats] and upstream [rows]); scale_grad[i] = sum_j dlogit * cos.
+//   static void row_losses(const at::Tensor& stats, bool per_direction, bool has_p_row,
 //                          at::Tensor loss);
 //     loss[i] = mnr_row_loss(...).
 #pragma once
@@ -99,7 +100,6 @@ class MnrChunked {
       bool grad, bool scale_grad) {
     const at::TensorOptions acc = scale_.options();
     stats_ = at::full({p_.rows, kMnrStats}, -std::numeric_limits<double>::infinity(), acc);
-    at::Tensor positive_cos = at::empty({p_.rows}, acc);
     at::Tensor upstream;
     if (grad) {
       upstream = p_.reduction == kMnrReductionMean ? at::full({p_.rows}, 1.0 / p_.rows, acc)
@@ -109,17 +109,18 @@ class MnrChunked {
     for (int64_t start = 0; start < p_.rows; start += step_) {
       const int64_t n = std::min(step_, p_.rows - start);
       std::vector<at::Tensor> cos = chunk_scores(start, n);
+      // Kind 0 (the Q rows) writes each row's target logit, kind 1 reads it.
+      at::Tensor target = at::empty({n}, acc);
       for (size_t k = 0; k < kinds_.size(); ++k) {
         at::Tensor lse = at::empty({n}, acc);
-        at::Tensor pos = k == 0 ? at::empty({n}, acc) : at::Tensor();
-        Tiles::row_stats(cos[k], tile(k, start, n), scale_, p_.hardness_strength, lse, pos);
+        Tiles::row_stats(cos[k], tile(k, start, n), scale_, p_.hardness_strength, lse, target);
         stats_.narrow(0, start, n).select(1, static_cast<int64_t>(k)).copy_(lse);
-        if (k == 0) positive_cos.narrow(0, start, n).copy_(pos);
       }
+      stats_.narrow(0, start, n).select(1, kMnrStats - 1).copy_(target);
       if (grad) chunk_gradients(cos, start, n, upstream);
     }
     at::Tensor loss_rows = at::empty({p_.rows}, acc);
-    Tiles::row_losses(stats_, positive_cos, scale_, p_.per_direction, p_.has_p_row(), loss_rows);
+    Tiles::row_losses(stats_, p_.per_direction, p_.has_p_row(), loss_rows);
     at::Tensor loss = p_.reduction == kMnrReductionMean ? loss_rows.sum() / p_.rows
                       : p_.reduction == kMnrReductionSum ? loss_rows.sum()
                                                          : loss_rows;

@@ -36,7 +36,7 @@ struct MnrProblem {
   bool has_p_row() const { return doc_to_query() || doc_to_doc(); }
 };
 
-constexpr int64_t kMnrStats = 2;
+constexpr int64_t kMnrStats = kMnrStatsPerRow;  // (rel_q, rel_p, t): mnr_math.h
 
 inline MnrProblem check_mnr_loss(const char* op, const at::Tensor& queries, const at::Tensor& docs,
                                  const std::optional<at::Tensor>& scale, double scale_value,

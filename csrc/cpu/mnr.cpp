@@ -99,23 +99,25 @@ NANFREE_HOT_LOOP int row_logits(const acc_t* cos, acc_t* logits, const MnrTile& 
   return count;
 }
 
-// The row's logsumexp from its logits.
+// The row's logsumexp from its logits, relative to its target logit t
+// (mnr_relative_lse). The exponentials are the accurate ones (Vec::exp, not
+// the faster shifted_exp): a loss near 0 is log(sum) with sum near 1.
 template <typename acc_t>
-NANFREE_HOT_LOOP acc_t row_lse(const acc_t* logits, int64_t n) {
+NANFREE_HOT_LOOP acc_t row_relative_lse(const acc_t* logits, int64_t n, acc_t target) {
   using V = Vec<acc_t>;
   const acc_t m = cpu::row_max(logits, n);
   if (!std::isfinite(m)) {
     // NaN, +inf or an empty row: the scalar state keeps NaN and the infinities' rules.
     LseState<acc_t> state = lse_empty<acc_t>();
     for (int64_t j = 0; j < n; ++j) lse_update(state, logits[j]);
-    return lse_value(state);
+    return mnr_relative_lse(state.max, state.sum, target);
   }
   const V shift(m);
   const acc_t sum = cpu::reduce_row<acc_t>(
       n, acc_t(0), [](const V& a, const V& b) { return a + b; },
       // -inf logits (excluded pairs) give exp(-inf) = 0; tail lanes are blended to 0.
-      [&](int64_t j, int64_t count) { return cpu::shifted_exp(V::loadu(logits + j, count) - shift); });
-  return m + std::log(sum);
+      [&](int64_t j, int64_t count) { return (V::loadu(logits + j, count) - shift).exp(); });
+  return mnr_relative_lse(m, sum, target);
 }
 
 struct CpuMnrTiles {
@@ -136,12 +138,13 @@ struct CpuMnrTiles {
   }
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
-                        double hardness_strength, at::Tensor lse, at::Tensor positive_cos) {
+                        double hardness_strength, at::Tensor lse, at::Tensor target) {
     AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_cpu", [&] {
       const TileConstants<scalar_t> h(scale, hardness_strength, tile);
       const scalar_t* c = cos.const_data_ptr<scalar_t>();
       scalar_t* out = lse.mutable_data_ptr<scalar_t>();
-      scalar_t* pos = positive_cos.defined() ? positive_cos.mutable_data_ptr<scalar_t>() : nullptr;
+      scalar_t* t = target.mutable_data_ptr<scalar_t>();
+      const bool query_row = tile.row_kind == kMnrRowQuery;
       at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
         std::vector<scalar_t> logits(tile.cols);
         std::vector<int64_t> own(max_own_columns(tile));
@@ -149,9 +152,9 @@ struct CpuMnrTiles {
           const int64_t g = tile.g0 + i;
           const scalar_t* row = c + i * tile.cols;
           row_logits(row, logits.data(), tile, g, h, own.data(), static_cast<int>(own.size()));
-          out[i] = row_lse(logits.data(), tile.cols);
           // The positive is doc g, column g of the query row's first segment.
-          if (pos != nullptr) pos[i] = row[g];
+          if (query_row) t[i] = mnr_target_logit(row[g], h.scale);
+          out[i] = row_relative_lse(logits.data(), tile.cols, t[i]);
         }
       });
     });
@@ -179,11 +182,9 @@ struct CpuMnrTiles {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t g = tile.g0 + i;
           scalar_t* row = c + i * tile.cols;
-          const scalar_t lse_q = st[2 * i];
-          const scalar_t lse_p = st[2 * i + 1];
-          const scalar_t log_z = mnr_log_partition(lse_q, lse_p, per_direction, has_p_row);
-          const scalar_t normalizer =
-              mnr_normalizer(log_z, query_row ? lse_q : lse_p, per_direction);
+          const scalar_t* row_stats = st + kMnrStatsPerRow * i;
+          const scalar_t normalizer = mnr_row_normalizer(row_stats[0], row_stats[1], row_stats[2],
+                                                         query_row, per_direction, has_p_row);
           const scalar_t upstream_i = up[i];
           const scalar_t weight = upstream_i * direction;
           const int count = row_logits(row, logits.data(), tile, g, h, own.data(), max_own);
@@ -237,16 +238,14 @@ struct CpuMnrTiles {
     });
   }
 
-  static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
-                         const at::Tensor& scale, bool per_direction, bool has_p_row,
+  static void row_losses(const at::Tensor& stats, bool per_direction, bool has_p_row,
                          at::Tensor loss) {
     AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "nanfree_mnr_row_losses_cpu", [&] {
-      const scalar_t s = scale.item<scalar_t>();
       const scalar_t* st = stats.const_data_ptr<scalar_t>();
-      const scalar_t* pos = positive_cos.const_data_ptr<scalar_t>();
       scalar_t* out = loss.mutable_data_ptr<scalar_t>();
       for (int64_t i = 0; i < loss.numel(); ++i) {
-        out[i] = mnr_row_loss(st[2 * i], st[2 * i + 1], pos[i], s, per_direction, has_p_row);
+        out[i] = mnr_row_loss(st[kMnrStatsPerRow * i], st[kMnrStatsPerRow * i + 1], per_direction,
+                              has_p_row);
       }
     });
   }

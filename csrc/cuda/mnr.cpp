@@ -112,16 +112,16 @@ struct CudaMnrTiles {
   }
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
-                        double hardness_strength, at::Tensor lse, at::Tensor positive_cos) {
+                        double hardness_strength, at::Tensor lse, at::Tensor target) {
     TORCH_INTERNAL_ASSERT(cos.is_contiguous() && cos.size(0) == tile.rows &&
                           cos.size(1) == tile.cols);
     const cudaStream_t stream = current_cuda_stream();
     AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_cuda", [&] {
       at::Tensor ws = workspace<scalar_t>(tile, cos);
-      scalar_t* pos = positive_cos.defined() ? positive_cos.mutable_data_ptr<scalar_t>() : nullptr;
       NANFREE_CUDA_CHECK(gpu::mnr_row_stats(cos.const_data_ptr<scalar_t>(), tile,
                                             scale.const_data_ptr<scalar_t>(), hardness_strength,
-                                            lse.mutable_data_ptr<scalar_t>(), pos,
+                                            lse.mutable_data_ptr<scalar_t>(),
+                                            target.mutable_data_ptr<scalar_t>(),
                                             workspace_ptr<scalar_t>(ws), stream));
     });
   }
@@ -143,15 +143,13 @@ struct CudaMnrTiles {
     });
   }
 
-  static void row_losses(const at::Tensor& stats, const at::Tensor& positive_cos,
-                         const at::Tensor& scale, bool per_direction, bool has_p_row,
+  static void row_losses(const at::Tensor& stats, bool per_direction, bool has_p_row,
                          at::Tensor loss) {
     const cudaStream_t stream = current_cuda_stream();
     AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "nanfree_mnr_row_losses_cuda", [&] {
-      NANFREE_CUDA_CHECK(gpu::mnr_row_losses(
-          stats.const_data_ptr<scalar_t>(), positive_cos.const_data_ptr<scalar_t>(),
-          scale.const_data_ptr<scalar_t>(), per_direction, has_p_row, loss.numel(),
-          loss.mutable_data_ptr<scalar_t>(), stream));
+      NANFREE_CUDA_CHECK(gpu::mnr_row_losses(stats.const_data_ptr<scalar_t>(), per_direction,
+                                             has_p_row, loss.numel(),
+                                             loss.mutable_data_ptr<scalar_t>(), stream));
     });
   }
 };

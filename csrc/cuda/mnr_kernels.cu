@@ -229,13 +229,24 @@ __device__ __forceinline__ ItemRange item_range(const Split& split, int64_t item
   return ItemRange{row, begin, end};
 }
 
+// The target logit of tile row i: a Q row's from its positive (doc g, column
+// g of its first segment), written to target[i]; a P row's read from there.
+template <typename acc_t>
+__device__ __forceinline__ acc_t row_target(const acc_t* cos, const MnrTile& tile, acc_t scale,
+                                            acc_t* target, int64_t i) {
+  if (tile.row_kind != kMnrRowQuery) return target[i];
+  const acc_t t = mnr_target_logit(cos[i * tile.cols + tile.g0 + i], scale);
+  target[i] = t;
+  return t;
+}
+
 // ---------------------------------------------------------------------------
 // Kernels.
 
 template <typename acc_t, int V>
 __global__ void __launch_bounds__(kMaxThreads)
     row_stats_kernel(const acc_t* __restrict__ cos, MnrTile tile, const acc_t* scale,
-                     acc_t strength, acc_t* __restrict__ lse, acc_t* __restrict__ positive_cos,
+                     acc_t strength, acc_t* __restrict__ lse, acc_t* __restrict__ target,
                      acc_t* __restrict__ parts, Split split, int group) {
   __shared__ acc_t partial[2 * kMaxWarps];
   const TileMath<acc_t> m(tile, scale, strength);
@@ -258,9 +269,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     state = group_merge(state, group, partial);
     if (active && lane == 0) {
       if (split.count == 1) {
-        lse[r.row] = lse_value(state);
-        // The positive of a Q row is doc g: column g of its first segment.
-        if (positive_cos != nullptr) positive_cos[r.row] = cos[r.row * tile.cols + tile.g0 + r.row];
+        lse[r.row] = mnr_relative_lse(state.max, state.sum, row_target(cos, tile, m.scale, target,
+                                                                       r.row));
       } else {
         parts[2 * item] = state.max;
         parts[2 * item + 1] = state.sum;
@@ -272,16 +282,16 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Merges the parts of each split row (in part order) into its logsumexp.
 template <typename acc_t>
 __global__ void __launch_bounds__(kSimpleThreads)
-    row_stats_finish_kernel(const acc_t* __restrict__ cos, MnrTile tile,
-                            acc_t* __restrict__ lse, acc_t* __restrict__ positive_cos,
+    row_stats_finish_kernel(const acc_t* __restrict__ cos, MnrTile tile, const acc_t* scale,
+                            acc_t* __restrict__ lse, acc_t* __restrict__ target,
                             const acc_t* __restrict__ parts, int64_t count) {
+  const acc_t s = *scale;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < tile.rows;
        i += int64_t(gridDim.x) * blockDim.x) {
     const acc_t* p = parts + 2 * i * count;
     LseState<acc_t> state{p[0], p[1]};
     for (int64_t k = 1; k < count; ++k) state = lse_merge(state, LseState<acc_t>{p[2 * k], p[2 * k + 1]});
-    lse[i] = lse_value(state);
-    if (positive_cos != nullptr) positive_cos[i] = cos[i * tile.cols + tile.g0 + i];
+    lse[i] = mnr_relative_lse(state.max, state.sum, row_target(cos, tile, s, target, i));
   }
 }
 
@@ -305,10 +315,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     ItemRange r{0, 0, 0};
     if (active) {
       r = item_range(split, item);
-      const acc_t lse_q = stats[2 * r.row];
-      const acc_t lse_p = stats[2 * r.row + 1];
-      const acc_t log_z = mnr_log_partition(lse_q, lse_p, per_direction, has_p_row);
-      const acc_t normalizer = mnr_normalizer(log_z, query_row ? lse_q : lse_p, per_direction);
+      const acc_t* row_stats = stats + kMnrStatsPerRow * r.row;
+      const acc_t normalizer = mnr_row_normalizer(row_stats[0], row_stats[1], row_stats[2],
+                                                  query_row, per_direction, has_p_row);
       const acc_t up = upstream[r.row];
       const acc_t weight = up * direction;
       sweep<V, true>(cos + r.row * tile.cols, m, tile.g0 + r.row, r.begin, r.end, lane, group,
@@ -346,14 +355,12 @@ __global__ void __launch_bounds__(kSimpleThreads)
 
 template <typename acc_t>
 __global__ void __launch_bounds__(kSimpleThreads)
-    row_losses_kernel(const acc_t* __restrict__ stats, const acc_t* __restrict__ positive_cos,
-                      const acc_t* scale, bool per_direction, bool has_p_row, int64_t rows,
-                      acc_t* __restrict__ loss) {
-  const acc_t s = *scale;
+    row_losses_kernel(const acc_t* __restrict__ stats, bool per_direction, bool has_p_row,
+                      int64_t rows, acc_t* __restrict__ loss) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows;
        i += int64_t(gridDim.x) * blockDim.x) {
-    loss[i] = mnr_row_loss(stats[2 * i], stats[2 * i + 1], positive_cos[i], s, per_direction,
-                           has_p_row);
+    loss[i] = mnr_row_loss(stats[kMnrStatsPerRow * i], stats[kMnrStatsPerRow * i + 1],
+                           per_direction, has_p_row);
   }
 }
 
@@ -454,22 +461,22 @@ int64_t mnr_workspace_size(const MnrTile& tile) {
 
 template <typename acc_t>
 cudaError_t mnr_row_stats(const acc_t* cos, const MnrTile& tile, const acc_t* scale,
-                          double hardness_strength, acc_t* lse, acc_t* positive_cos,
+                          double hardness_strength, acc_t* lse, acc_t* target,
                           acc_t* workspace, cudaStream_t stream) {
   if (tile.rows <= 0) return cudaSuccess;
   // A Q row's positive is column g0 + i of its row.
-  if (positive_cos != nullptr && tile.g0 + tile.rows > tile.cols) return cudaErrorInvalidValue;
+  if (tile.row_kind == kMnrRowQuery && tile.g0 + tile.rows > tile.cols) return cudaErrorInvalidValue;
   const TilePlan plan = tile_plan<acc_t>(tile, cos);
   if (plan.split.count > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   const acc_t strength = static_cast<acc_t>(hardness_strength);
   const cudaError_t err = dispatch_vec<acc_t>(plan.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;
     return launch(row_stats_kernel<acc_t, kVec>, plan.blocks, plan.threads, stream, cos, tile,
-                  scale, strength, lse, positive_cos, workspace, plan.split, plan.group);
+                  scale, strength, lse, target, workspace, plan.split, plan.group);
   });
   if (err != cudaSuccess || plan.split.count == 1) return err;
   return launch(row_stats_finish_kernel<acc_t>, simple_blocks(tile.rows), kSimpleThreads, stream,
-                cos, tile, lse, positive_cos, workspace, plan.split.count);
+                cos, tile, scale, lse, target, workspace, plan.split.count);
 }
 
 template <typename acc_t>
@@ -493,12 +500,11 @@ cudaError_t mnr_row_grads(acc_t* cos, const MnrTile& tile, const acc_t* scale,
 }
 
 template <typename acc_t>
-cudaError_t mnr_row_losses(const acc_t* stats, const acc_t* positive_cos, const acc_t* scale,
-                           bool per_direction, bool has_p_row, int64_t rows, acc_t* loss,
-                           cudaStream_t stream) {
+cudaError_t mnr_row_losses(const acc_t* stats, bool per_direction, bool has_p_row, int64_t rows,
+                           acc_t* loss, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   return launch(row_losses_kernel<acc_t>, simple_blocks(rows), kSimpleThreads, stream, stats,
-                positive_cos, scale, per_direction, has_p_row, rows, loss);
+                per_direction, has_p_row, rows, loss);
 }
 
 template <typename half_t>

@@ -33,28 +33,28 @@ template <typename acc_t>
 int64_t mnr_workspace_size(const MnrTile& tile);
 
 // lse[i] = the logsumexp of row i's logits (mnr_logit of each cosine with its
-// mnr_column_kind); positive_cos[i] = cos[i, g0 + i] (the positive of a Q row:
-// doc g, column g) unless positive_cos is nullptr.
+// mnr_column_kind) relative to its target logit (mnr_relative_lse); a Q row
+// writes its target logit target[i] = mnr_target_logit(cos[i, g0 + i]) (its
+// positive: doc g, column g), a P row reads it.
 template <typename acc_t>
 cudaError_t mnr_row_stats(const acc_t* cos, const MnrTile& tile, const acc_t* scale,
-                          double hardness_strength, acc_t* lse, acc_t* positive_cos,
+                          double hardness_strength, acc_t* lse, acc_t* target,
                           acc_t* workspace, cudaStream_t stream);
 
 // In place, cos[i, j] <- scale * dlogit with dlogit = mnr_logit_grad of the
-// entry, from row i's stats (stats[2 i], stats[2 i + 1]: the Q and P rows'
-// logsumexps) and upstream[i]; scale_grad[i] = sum_j dlogit * cos[i, j] (the
-// cosines before they are overwritten).
+// entry, from row i's stats (kMnrStatsPerRow values from stats[3 i]:
+// mnr_row_normalizer) and upstream[i]; scale_grad[i] = sum_j dlogit * cos[i, j]
+// (the cosines before they are overwritten).
 template <typename acc_t>
 cudaError_t mnr_row_grads(acc_t* cos, const MnrTile& tile, const acc_t* scale,
                           double hardness_strength, const acc_t* stats, const acc_t* upstream,
                           bool per_direction, bool has_p_row, acc_t* scale_grad,
                           acc_t* workspace, cudaStream_t stream);
 
-// loss[i] = mnr_row_loss of row i's stats [rows, 2] and positive_cos[i].
+// loss[i] = mnr_row_loss of row i's stats [rows, kMnrStatsPerRow].
 template <typename acc_t>
-cudaError_t mnr_row_losses(const acc_t* stats, const acc_t* positive_cos, const acc_t* scale,
-                           bool per_direction, bool has_p_row, int64_t rows, acc_t* loss,
-                           cudaStream_t stream);
+cudaError_t mnr_row_losses(const acc_t* stats, bool per_direction, bool has_p_row, int64_t rows,
+                           acc_t* loss, cudaStream_t stream);
 
 // out[i * cols + j] = in[i * in_stride + j] saturated to half_t's finite range
 // (NaN stays NaN) and rounded to nearest: the half GEMM operand of a chunk of
@@ -70,8 +70,7 @@ cudaError_t mnr_saturate_cast(const float* in, int64_t rows, int64_t cols, int64
                                                T*, T*, cudaStream_t);                           \
   PREFIX template cudaError_t mnr_row_grads<T>(T*, const MnrTile&, const T*, double, const T*,   \
                                                const T*, bool, bool, T*, T*, cudaStream_t);     \
-  PREFIX template cudaError_t mnr_row_losses<T>(const T*, const T*, const T*, bool, bool,        \
-                                                int64_t, T*, cudaStream_t);
+  PREFIX template cudaError_t mnr_row_losses<T>(const T*, bool, bool, int64_t, T*, cudaStream_t);
 NANFREE_MNR_LAUNCHERS(extern, float)
 NANFREE_MNR_LAUNCHERS(extern, double)
 extern template cudaError_t mnr_saturate_cast<__half>(const float*, int64_t, int64_t, int64_t,

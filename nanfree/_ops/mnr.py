@@ -34,7 +34,9 @@ BACKWARD_OPS = ("mnr_loss_backward",)
 OPS = FORWARD_OPS + BACKWARD_OPS
 
 QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = 1, 2, 4, 8
-STATS = 2  # the logsumexp of each local row's query row and positive's row
+# Per local row: its query row's and positive's row's logsumexps relative to
+# its target logit t, and t (mnr_math.h's kMnrStatsPerRow).
+STATS = 3
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
 
 

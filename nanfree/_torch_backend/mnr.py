@@ -6,8 +6,8 @@ wraps them into the ops, which take raw embeddings."""
 
 import torch
 
-from .._ops.mnr import (MnrProblem, check_mnr_loss, check_mnr_loss_backward, no_gradients,
-                        on_raw_embeddings, reduce_loss, scaled_upstream, unscaled,
+from .._ops.mnr import (STATS, MnrProblem, check_mnr_loss, check_mnr_loss_backward,
+                        no_gradients, on_raw_embeddings, reduce_loss, scaled_upstream, unscaled,
                         upstream_per_row)
 from .numerics import acc_dtype
 
@@ -72,12 +72,32 @@ def mnr_logit_grad(logit, kind, normalizer, weight, upstream):
     return torch.where(kind == EXCLUDED, 0.0, p)
 
 
-def _row_lse(logits):
+def mnr_target_logit(positive_cos, scale):
+    return scale * positive_cos
+
+
+def mnr_relative_lse(max_, sum_, target):
+    # (max - t) + log(sum); the empty state (-inf, 0) gives -inf.
+    return (max_ - target) + torch.log(sum_)
+
+
+def mnr_row_loss(rel_q, rel_p, per_direction, has_p_row):
+    return mnr_log_partition(rel_q, rel_p, per_direction, has_p_row)
+
+
+def mnr_row_normalizer(rel_q, rel_p, target, query_row, per_direction, has_p_row):
+    if per_direction:
+        return target + (rel_q if query_row else rel_p)
+    return target + mnr_log_partition(rel_q, rel_p, per_direction, has_p_row)
+
+
+def _row_relative_lse(logits, target):
     m = logits.amax(dim=1, keepdim=True)
     # An all -inf row (every pair excluded) is the empty set: -inf, not NaN.
     m = torch.where(m == float("-inf"), 0.0, m)
     # A NaN logit (a NaN embedding) keeps its row NaN: amax propagates it.
-    return (m + torch.log(lse_scale(logits, m).sum(dim=1, keepdim=True))).squeeze(1)
+    total = lse_scale(logits, m).sum(dim=1, keepdim=True)
+    return mnr_relative_lse(m, total, target[:, None]).squeeze(1)
 
 
 class _Columns:
@@ -129,14 +149,18 @@ def _row_chunks(problem, columns):
 
 
 def _forward_chunk(problem, sets, g, scale, hs):
-    """Logits and logsumexps of rows g (global) for each row kind."""
+    """(cos, kind, logit) of rows g (global) for each row kind, the rows'
+    logsumexps relative to their target logits, and the target logits."""
     out = []
+    target = None
     for rows, cols in sets:
         cos = rows[g] @ cols.matrix.T
         kind = cols.kinds(problem, g)
         logit = mnr_logit(cos, kind, scale, hs)
-        out.append((cos, kind, logit, _row_lse(logit)))
-    return out
+        if target is None:  # the Q rows: the positive is doc g, column g
+            target = mnr_target_logit(cos.gather(1, g[:, None]).squeeze(1), scale)
+        out.append((cos, kind, logit, _row_relative_lse(logit, target)))
+    return out, target
 
 
 def _sets(problem, queries, docs, acc):
@@ -163,14 +187,13 @@ def _gradients(problem, queries, docs, scale_t, want_scale, stats, upstream):
     for start in chunks:
         local = torch.arange(start, min(start + step, problem.rows), device=q.device)
         g = local + problem.offset
-        lse_q = stats[local, 0]
-        lse_p = stats[local, 1]
-        log_z = mnr_log_partition(lse_q, lse_p, problem.per_direction, problem.has_p_row)
+        rel_q, rel_p, target = stats[local, 0], stats[local, 1], stats[local, 2]
         up = upstream[local]
         weight = up * weight_factor
-        for (rows, cols), (cos, kind, logit, _), lse in zip(
-                sets, _forward_chunk(problem, sets, g, scale_t, hs), (lse_q, lse_p)):
-            normalizer = lse if problem.per_direction else log_z
+        for (rows, cols), (cos, kind, logit, _), query_row in zip(
+                sets, _forward_chunk(problem, sets, g, scale_t, hs)[0], (True, False)):
+            normalizer = mnr_row_normalizer(rel_q, rel_p, target, query_row,
+                                            problem.per_direction, problem.has_p_row)
             dlogit = mnr_logit_grad(logit, kind, normalizer[:, None], weight[:, None],
                                     up[:, None])
             grad_s = grad_s + (dlogit * cos).sum()
@@ -195,20 +218,18 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
     acc = acc_dtype(queries.dtype)
     scale_t = _scale(problem, scale, scale_value, acc, queries.device)
     q, d, sets = _sets(problem, queries, docs, acc)
-    stats = torch.full((rows, 2), float("-inf"), dtype=acc, device=queries.device)
+    stats = torch.full((rows, STATS), float("-inf"), dtype=acc, device=queries.device)
     loss_rows = torch.empty((rows,), dtype=acc, device=queries.device)
     chunks, step = _row_chunks(problem, [c for _, c in sets])
     for start in chunks:
         local = torch.arange(start, min(start + step, rows), device=q.device)
         g = local + offset
-        results = _forward_chunk(problem, sets, g, scale_t, problem.hardness_strength)
+        results, target = _forward_chunk(problem, sets, g, scale_t, problem.hardness_strength)
         for k, (_, _, _, lse) in enumerate(results):
             stats[local, k] = lse
-        # The positive's logit, picked from the query row's tile (column g).
-        positive = scale_t * results[0][0].gather(1, g[:, None]).squeeze(1)
-        log_z = mnr_log_partition(stats[local, 0], stats[local, 1], per_direction,
-                                  problem.has_p_row)
-        loss_rows[local] = log_z - positive
+        stats[local, STATS - 1] = target
+        loss_rows[local] = mnr_row_loss(stats[local, 0], stats[local, 1], per_direction,
+                                        problem.has_p_row)
     loss = reduce_loss(problem, loss_rows)
     if not grad:
         return (loss, stats, *no_gradients(queries, acc))

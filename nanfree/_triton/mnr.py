@@ -10,7 +10,8 @@ _mnr_loss_backward_normalized), which see unit rows and return the
 gradients of the unit rows. The layout and every rule are
 csrc/include/nanfree/mnr_math.h's, mirrored here function by function (same
 names): mnr_doc_penalized, mnr_column_kind, mnr_logit, mnr_log_partition,
-mnr_normalizer, mnr_direction_weight, mnr_logit_grad; the row logsumexps use
+mnr_relative_lse, mnr_row_loss, mnr_row_normalizer, mnr_normalizer,
+mnr_direction_weight, mnr_logit_grad; the row logsumexps use
 the online state of numerics.py. No rule is written inline in a kernel.
 
 Tiles, flash-attention style. Each local row g has a Q row (the docs, then
@@ -24,10 +25,10 @@ O((R + M) d).
 - Forward (_mnr_forward_kernel, one launch per row kind): a program holds
   BLOCK_M rows and a run of column blocks (a split; several splits per row
   block when the rows are too few to fill the GPU), keeps each row's online
-  logsumexp state and, on Q rows, the positive's cosine picked from its tile
-  (column g of the docs). _mnr_finish_kernel merges the splits' states and
-  writes stats and the per-row loss (mnr_log_partition); mean and sum are
-  taken with torch.
+  logsumexp state and, on Q rows, the positive's logit (the target logit t)
+  picked from its tile (column g of the docs). _mnr_finish_kernel merges the
+  splits' states and writes stats (the logsumexps relative to t, and t) and
+  the per-row loss (mnr_row_loss); mean and sum are taken with torch.
 - Backward: every tile's cosines are recomputed once, from stats.
   _mnr_row_grad_kernel (one launch per row kind) adds dlogit @ columns of the
   column blocks of its split to the row vectors' sums (queries[g] for Q rows,
@@ -67,12 +68,12 @@ import triton
 import triton.language as tl
 
 from .._ops.common import acc_dtype
-from .._ops.mnr import (check_mnr_loss, check_mnr_loss_backward, no_gradients, on_raw_embeddings,
-                        reduce_loss, scaled_upstream, upstream_per_row)
+from .._ops.mnr import (STATS, check_mnr_loss, check_mnr_loss_backward, no_gradients,
+                        on_raw_embeddings, reduce_loss, scaled_upstream, upstream_per_row)
 from . import common
 from .common import device_guard
 from .element_io import store_saturated, widen
-from .numerics import lse_merge, lse_scale, lse_update_max_candidate, lse_update_term, lse_value
+from .numerics import lse_merge, lse_scale, lse_update_max_candidate, lse_update_term
 
 # Row kinds, column kinds and hardness modes of mnr_math.h.
 ROW_QUERY = tl.constexpr(0)
@@ -87,6 +88,7 @@ HARDNESS_ALL = tl.constexpr(3)
 # The column entities of _mnr_col_grad_kernel.
 ENTITY_DOCS = tl.constexpr(0)
 ENTITY_QUERIES = tl.constexpr(1)
+STATS_PER_ROW = tl.constexpr(STATS)  # (rel_q, rel_p, t) of each local row
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # Per input dtype, (BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_D): tiles of BLOCK_M rows
@@ -171,6 +173,30 @@ def mnr_log_partition(lse_q, lse_p, per_direction: tl.constexpr, has_p_row: tl.c
         m = tl.where(lse_q > lse_p, lse_q, lse_p)
         # logaddexp; lse_scale keeps two equal (or two infinite) values at exp(0).
         return m + tl.log(lse_scale(lse_q, m) + lse_scale(lse_p, m))
+
+
+@triton.jit
+def mnr_relative_lse(m_state, s_state, target):
+    """A row's logsumexp relative to its target logit: (max - t) + log(sum)."""
+    return (m_state - target) + tl.log(s_state)
+
+
+@triton.jit
+def mnr_row_loss(rel_q, rel_p, per_direction: tl.constexpr, has_p_row: tl.constexpr):
+    """loss_g = log_z - t from the row's relative logsumexps."""
+    return mnr_log_partition(rel_q, rel_p, per_direction, has_p_row)
+
+
+@triton.jit
+def mnr_row_normalizer(rel_q, rel_p, target, query_row: tl.constexpr,
+                       per_direction: tl.constexpr, has_p_row: tl.constexpr):
+    """A row kind's softmax normalizer, absolute, from the saved (rel_q, rel_p, t)."""
+    rel_z = mnr_log_partition(rel_q, rel_p, per_direction, has_p_row)
+    if query_row:
+        own = rel_q
+    else:
+        own = rel_p
+    return target + mnr_normalizer(rel_z, own, per_direction)
 
 
 @triton.jit
@@ -319,11 +345,12 @@ def _row_terms(stats_ptr, up_ptr, i, row_in, ROW_KIND: tl.constexpr,
                PER_DIRECTION: tl.constexpr, HAS_P: tl.constexpr):
     """(normalizer, weight, upstream) of local rows i for rows of kind ROW_KIND."""
     # Rows outside the problem read 0s (their pairs are excluded).
-    lse_q = tl.load(stats_ptr + i.to(tl.int64) * 2, mask=row_in, other=0.0)
-    lse_p = tl.load(stats_ptr + i.to(tl.int64) * 2 + 1, mask=row_in, other=0.0)
-    log_z = mnr_log_partition(lse_q, lse_p, PER_DIRECTION, HAS_P)
-    own = lse_q if ROW_KIND == ROW_QUERY else lse_p
-    normalizer = mnr_normalizer(log_z, own, PER_DIRECTION)
+    at = i.to(tl.int64) * STATS_PER_ROW
+    rel_q = tl.load(stats_ptr + at, mask=row_in, other=0.0)
+    rel_p = tl.load(stats_ptr + at + 1, mask=row_in, other=0.0)
+    target = tl.load(stats_ptr + at + 2, mask=row_in, other=0.0)
+    normalizer = mnr_row_normalizer(rel_q, rel_p, target, ROW_KIND == ROW_QUERY, PER_DIRECTION,
+                                    HAS_P)
     up = tl.load(up_ptr + i, mask=row_in, other=0.0)
     return normalizer, up * mnr_direction_weight(PER_DIRECTION, HAS_P), up
 
@@ -350,9 +377,9 @@ def _forward_tile(row_ptr, col_ptr, g0, g, row_in, c0, n_cols, j_shift, d, first
                   HARDNESS: tl.constexpr, PICK: tl.constexpr, ACC: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   WIDEN: tl.constexpr):
-    """The row states (and the positive's cosine where PICK) after the tile of
-    columns c0.. of col_ptr (n_cols of them), numbered j_shift + c in the
-    row's concatenated columns."""
+    """The row states (and the positive's logit, the target logit t, where
+    PICK) after the tile of columns c0.. of col_ptr (n_cols of them), numbered
+    j_shift + c in the row's concatenated columns."""
     c = c0 + tl.arange(0, BLOCK_N)
     c_in = c < n_cols
     j = j_shift + c
@@ -365,8 +392,8 @@ def _forward_tile(row_ptr, col_ptr, g0, g, row_in, c0, n_cols, j_shift, d, first
     tile_max = tl.max(lse_update_max_candidate(logit), axis=1)
     tile_sum = tl.sum(lse_update_term(logit, tile_max[:, None]), axis=1)
     m_state, s_state = lse_merge(m_state, s_state, tile_max, tile_sum)
-    if PICK:  # the positive: column g of the docs
-        pos += tl.sum(tl.where(j[None, :] == g[:, None], cos, 0.0), axis=1)
+    if PICK:  # the positive: column g of the docs; the very logit the states saw
+        pos += tl.sum(tl.where(j[None, :] == g[:, None], logit, 0.0), axis=1)
     return m_state, s_state, pos
 
 
@@ -378,7 +405,7 @@ def _mnr_forward_kernel(q_ptr, d_ptr, scale_ptr, part_ptr, pos_ptr, r, d, offset
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
     """Online logsumexp states (max, sum) of BLOCK_M rows of kind ROW_KIND over
     this split's column blocks -> part [splits, rows, 2]; Q rows: the
-    positive's cosine (0 if not in this split) -> pos [splits, rows]."""
+    positive's logit (0 if not in this split) -> pos [splits, rows]."""
     ACC: tl.constexpr = part_ptr.dtype.element_ty
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = i < rows
@@ -413,8 +440,10 @@ def _mnr_forward_kernel(q_ptr, d_ptr, scale_ptr, part_ptr, pos_ptr, r, d, offset
 
 
 @triton.jit
-def _merged_lse(part_ptr, i, row_in, rows, splits, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """The logsumexp of rows i from their splits' states."""
+def _merged_relative_lse(part_ptr, i, row_in, rows, splits, target, ACC: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """The logsumexp of rows i relative to their target logits, from their
+    splits' states."""
     m_state = tl.full([BLOCK], float("-inf"), ACC)
     s_state = tl.zeros([BLOCK], ACC)
     for s in range(splits):
@@ -423,30 +452,31 @@ def _merged_lse(part_ptr, i, row_in, rows, splits, ACC: tl.constexpr, BLOCK: tl.
         m_s = tl.load(part_ptr + at, mask=row_in, other=float("-inf"))
         s_s = tl.load(part_ptr + at + 1, mask=row_in, other=0.0)
         m_state, s_state = lse_merge(m_state, s_state, m_s, s_s)
-    return lse_value(m_state, s_state)
+    return mnr_relative_lse(m_state, s_state, target)
 
 
 @triton.jit
-def _mnr_finish_kernel(part_q_ptr, part_p_ptr, pos_ptr, scale_ptr, stats_ptr, loss_ptr, rows,
-                       splits_q, splits_p, scale_value: tl.float64, PER_DIRECTION: tl.constexpr,
-                       HAS_P: tl.constexpr, SCALE_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
-    """stats (each row's two logsumexps) and loss_g = log_z - scale * cos(q_g, doc_g)."""
+def _mnr_finish_kernel(part_q_ptr, part_p_ptr, pos_ptr, stats_ptr, loss_ptr, rows, splits_q,
+                       splits_p, PER_DIRECTION: tl.constexpr, HAS_P: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """stats (each row's two logsumexps relative to its target logit t, and t)
+    and loss_g = log_z - t (mnr_row_loss)."""
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_in = i < rows
-    lse_q = _merged_lse(part_q_ptr, i, row_in, rows, splits_q, ACC, BLOCK)
-    if HAS_P:
-        lse_p = _merged_lse(part_p_ptr, i, row_in, rows, splits_p, ACC, BLOCK)
-    else:
-        lse_p = tl.full([BLOCK], float("-inf"), ACC)  # no P row: the empty set
-    pos = tl.zeros([BLOCK], ACC)
+    target = tl.zeros([BLOCK], ACC)
     for s in range(splits_q):  # one split holds column g, the others add 0
-        pos += tl.load(pos_ptr + (s * rows + i).to(tl.int64), mask=row_in, other=0.0)
-    scale = _scale_in(scale_ptr, scale_value, ACC, SCALE_TENSOR)
-    log_z = mnr_log_partition(lse_q, lse_p, PER_DIRECTION, HAS_P)
-    tl.store(stats_ptr + i.to(tl.int64) * 2, lse_q, mask=row_in)
-    tl.store(stats_ptr + i.to(tl.int64) * 2 + 1, lse_p, mask=row_in)
-    tl.store(loss_ptr + i, log_z - scale * pos, mask=row_in)
+        target += tl.load(pos_ptr + (s * rows + i).to(tl.int64), mask=row_in, other=0.0)
+    rel_q = _merged_relative_lse(part_q_ptr, i, row_in, rows, splits_q, target, ACC, BLOCK)
+    if HAS_P:
+        rel_p = _merged_relative_lse(part_p_ptr, i, row_in, rows, splits_p, target, ACC, BLOCK)
+    else:
+        rel_p = tl.full([BLOCK], float("-inf"), ACC)  # no P row: the empty set
+    at = i.to(tl.int64) * STATS_PER_ROW
+    tl.store(stats_ptr + at, rel_q, mask=row_in)
+    tl.store(stats_ptr + at + 1, rel_p, mask=row_in)
+    tl.store(stats_ptr + at + 2, target, mask=row_in)
+    tl.store(loss_ptr + i, mnr_row_loss(rel_q, rel_p, PER_DIRECTION, HAS_P), mask=row_in)
 
 
 # ---------------------------------------------------------------------------
@@ -704,13 +734,13 @@ def _forward(launch):
             **launch.common_args())
         parts.append(part)
         n_splits.append(splits)
-    stats = torch.empty((p.rows, 2), dtype=launch.acc, device=launch.device)
+    stats = torch.empty((p.rows, STATS), dtype=launch.acc, device=launch.device)
     loss_rows = torch.empty((p.rows,), dtype=launch.acc, device=launch.device)
     part_p = parts[-1]
     _mnr_finish_kernel[(triton.cdiv(p.rows, FINISH_BLOCK),)](
-        parts[0], part_p, positions, launch.scale_t, stats, loss_rows, p.rows, n_splits[0],
-        n_splits[-1], launch.scale_value, PER_DIRECTION=p.per_direction, HAS_P=p.has_p_row,
-        SCALE_TENSOR=launch.scale_tensor, BLOCK=FINISH_BLOCK, enable_reflect_ftz=False)
+        parts[0], part_p, positions, stats, loss_rows, p.rows, n_splits[0], n_splits[-1],
+        PER_DIRECTION=p.per_direction, HAS_P=p.has_p_row, BLOCK=FINISH_BLOCK,
+        enable_reflect_ftz=False)
     return loss_rows, stats
 
 

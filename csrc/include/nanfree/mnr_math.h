@@ -18,9 +18,15 @@
 // - logit = scale * cos, plus hardness_strength * cos (no gradient through
 //   it) on the query_to_doc negatives the hardness mode selects; an excluded
 //   pair (a query with itself, a positive with its own query's docs) is -inf.
-// - loss_g = log_z - scale * cos(q_g, doc_g), with log_z the logsumexp of both
-//   rows (joint) or the mean of the two rows' (per_direction, which only
-//   allows query_to_doc and doc_to_query, so each row is one direction).
+// - loss_g = log_z - t with t = scale * cos(q_g, doc_g) (the target logit),
+//   log_z the logsumexp of both rows (joint) or the mean of the two rows'
+//   (per_direction, which only allows query_to_doc and doc_to_query, so each
+//   row is one direction). Each row's logsumexp is kept relative to t,
+//   (max - t) + log(sum) of its (max, sum) state, and the loss is formed from
+//   those: a loss near 0 (the positive far above every negative) is then
+//   log(1 + tiny), not the difference of two numbers near t (log_z - t lost
+//   the digits below t's last bit: 1e-6 instead of 1e-11 at scale 100). The
+//   saved statistics of a row are (rel_q, rel_p, t): kMnrStatsPerRow values.
 // - d loss_g / d logit = weight * exp(logit - normalizer), minus 1 at the
 //   positive; normalizer = log_z (joint) or the row's own logsumexp
 //   (per_direction), weight = 1 (joint) or 1 / directions (per_direction).
@@ -114,7 +120,44 @@ NF_HOST_DEVICE T mnr_logit(T cos, int column_kind, T scale, T hardness_strength)
   return column_kind == kMnrColumnPenalized ? logit + hardness_strength * cos : logit;
 }
 
-// log_z of a local row from its two rows' logsumexps. `lse_p` is -inf when
+// Values of a row's saved statistics: rel_q, rel_p (its Q and P rows'
+// logsumexps relative to t; rel_p -inf without a P row) and t.
+constexpr int kMnrStatsPerRow = 3;
+
+// a * b rounded once and never contracted into a following add or subtract
+// (nvcc contracts by default, host compilers may too): t must be the very
+// number the row's maximum holds when the positive is its largest logit, so
+// that max - t is exactly 0 there. Used once per row, off the hot loops.
+template <typename T>
+NF_HOST_DEVICE T mnr_rounded_product(T a, T b) {
+#ifdef __CUDA_ARCH__
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return __fmul_rn(a, b);
+  } else {
+    return __dmul_rn(a, b);
+  }
+#else
+  const volatile T product = a * b;
+  return product;
+#endif
+}
+
+// The target logit t of a row from its positive's cosine: mnr_logit of a
+// kMnrColumnPositive pair, rounded as the tile kernels round it.
+template <typename T>
+NF_HOST_DEVICE T mnr_target_logit(T positive_cos, T scale) {
+  return mnr_rounded_product(scale, positive_cos);
+}
+
+// A row's logsumexp relative to t from its (max, sum) state: (max - t) +
+// log(sum). The empty state gives -inf (-inf - t + log 0); NaN stays NaN.
+template <typename T>
+NF_HOST_DEVICE T mnr_relative_lse(T max, T sum, T target) {
+  return (max - target) + nf_log(sum);
+}
+
+// log_z of a local row from its two rows' logsumexps (absolute, or both
+// relative to t: then it is log_z - t). `lse_p` is -inf when
 // the row has no P directions (joint) and is ignored then (per_direction).
 template <typename T>
 NF_HOST_DEVICE T mnr_log_partition(T lse_q, T lse_p, bool per_direction, bool has_p_row) {
@@ -207,11 +250,19 @@ NF_HOST_DEVICE int mnr_own_columns(const MnrTile& tile, int64_t g, int64_t* out,
   return count;
 }
 
-// The per-row loss: log_z - scale * cos(query, positive).
+// The per-row loss log_z - t, from the row's relative logsumexps.
 template <typename T>
-NF_HOST_DEVICE T mnr_row_loss(T lse_q, T lse_p, T positive_cos, T scale, bool per_direction,
-                              bool has_p_row) {
-  return mnr_log_partition(lse_q, lse_p, per_direction, has_p_row) - scale * positive_cos;
+NF_HOST_DEVICE T mnr_row_loss(T rel_q, T rel_p, bool per_direction, bool has_p_row) {
+  return mnr_log_partition(rel_q, rel_p, per_direction, has_p_row);
+}
+
+// The normalizer of a row kind's softmax in the gradient (mnr_normalizer),
+// absolute, from the row's saved statistics (rel_q, rel_p, t).
+template <typename T>
+NF_HOST_DEVICE T mnr_row_normalizer(T rel_q, T rel_p, T target, bool query_row,
+                                    bool per_direction, bool has_p_row) {
+  const T rel_z = mnr_log_partition(rel_q, rel_p, per_direction, has_p_row);
+  return target + mnr_normalizer(rel_z, query_row ? rel_q : rel_p, per_direction);
 }
 
 }  // namespace nanfree
