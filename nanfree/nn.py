@@ -14,6 +14,9 @@ from ._ops.common import check_dim_type, is_number
 
 __all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
            "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
+# Also CachedMultipleNegativesRankingLoss and CachedMultipleNegativesSymmetricRankingLoss
+# (module __getattr__ below), left out of __all__: a star import must not need
+# sentence-transformers.
 
 
 def _check_positive(module, name, value, allow_zero=False):
@@ -511,3 +514,94 @@ class MNRLoss(torch.nn.Module):
                 f"partition_mode={self.partition_mode!r}, hardness_mode={self.hardness_mode!r}, "
                 f"hardness_strength={self.hardness_strength}, reduction={self.reduction!r}, "
                 f"gather_across_devices={self.gather_across_devices}")
+
+
+# --- the cached (GradCache) MNR losses: built on first access, from sentence-transformers ---
+
+_CACHED = ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
+
+
+def __getattr__(name):
+    """The cached losses subclass sentence-transformers' own (its gradient cache,
+    its mini-batching and random-state replay, unchanged): they are defined on
+    first access, so ``import nanfree.nn`` never imports sentence-transformers."""
+    if name not in _CACHED:
+        raise AttributeError(f"module 'nanfree.nn' has no attribute {name!r}")
+    try:
+        from sentence_transformers.sentence_transformer.losses import \
+            CachedMultipleNegativesRankingLoss as _Cached
+    except ImportError as error:
+        raise ImportError(f"nanfree.nn.{name} needs sentence-transformers (pip install "
+                          "sentence-transformers): it is that library's gradient-cached loss with "
+                          "nanfree's fused loss inside") from error
+    classes = _cached_classes(_Cached)
+    globals().update(classes)
+    return classes[name]
+
+
+def _cached_classes(base):
+    class CachedMultipleNegativesRankingLoss(base):
+        """Drop-in for sentence-transformers' ``CachedMultipleNegativesRankingLoss``
+        (6.2, GradCache): the same constructor, ``forward``, ``get_config_dict``,
+        ``temperature`` and ``citation``; the embeddings are computed in mini-batches
+        of ``mini_batch_size`` without gradients, the loss and its gradients with
+        respect to every embedding by ``nanfree.ops.mnr_loss`` (fused: no
+        similarity matrix, no NaN, one pass over the batch instead of one per
+        mini-batch), and the cached gradients pushed through each mini-batch again
+        in the backward, by sentence-transformers' own machinery (this class
+        subclasses its loss and replaces only ``calculate_loss``). The wrapped
+        ``loss`` attribute is a :class:`nanfree.nn.MultipleNegativesRankingLoss`,
+        which checks the hyperparameters. Needs sentence-transformers."""
+
+        def __init__(self, model, scale=20.0, similarity_fct=ops.cos_sim, mini_batch_size=32,
+                     mini_batch_num_tokens=None, gather_across_devices=False,
+                     directions=("query_to_doc",), partition_mode="joint",
+                     show_progress_bar=False, hardness_mode=None, hardness_strength=0.0):
+            fused = MultipleNegativesRankingLoss(
+                model, scale=scale, similarity_fct=similarity_fct,
+                gather_across_devices=gather_across_devices, directions=directions,
+                partition_mode=partition_mode, hardness_mode=hardness_mode,
+                hardness_strength=hardness_strength)
+            with warnings.catch_warnings():
+                # the checks above already warned about a hardness mode without strength
+                warnings.simplefilter("ignore")
+                super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                                 mini_batch_size=mini_batch_size,
+                                 mini_batch_num_tokens=mini_batch_num_tokens,
+                                 gather_across_devices=gather_across_devices,
+                                 directions=directions, partition_mode=partition_mode,
+                                 show_progress_bar=show_progress_bar,
+                                 hardness_mode=hardness_mode,
+                                 hardness_strength=hardness_strength)
+            self.loss = fused
+
+        def calculate_loss(self, reps, labels=None, *, with_backward=False):
+            """The loss of the mini-batches' embeddings (``reps[column][mini_batch]``),
+            in one fused call; with ``with_backward`` its gradients reach ``reps``
+            and the detached loss is returned."""
+            loss = self.loss.compute_loss_from_embeddings([torch.cat(c) for c in reps], labels)
+            if with_backward:
+                loss.backward()
+                loss = loss.detach()
+            return loss
+
+    class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
+        """Drop-in for sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss``:
+        :class:`CachedMultipleNegativesRankingLoss` with
+        ``directions=("query_to_doc", "doc_to_query")`` and
+        ``partition_mode="per_direction"``."""
+
+        def __init__(self, model, scale=20.0, similarity_fct=ops.cos_sim, mini_batch_size=32,
+                     mini_batch_num_tokens=None, gather_across_devices=False,
+                     show_progress_bar=False):
+            super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                             mini_batch_size=mini_batch_size,
+                             mini_batch_num_tokens=mini_batch_num_tokens,
+                             gather_across_devices=gather_across_devices,
+                             directions=_mnr.SYMMETRIC[0], partition_mode=_mnr.SYMMETRIC[1],
+                             show_progress_bar=show_progress_bar)
+
+    for cls in (CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss):
+        cls.__module__ = __name__
+    return {cls.__name__: cls for cls in (CachedMultipleNegativesRankingLoss,
+                                          CachedMultipleNegativesSymmetricRankingLoss)}

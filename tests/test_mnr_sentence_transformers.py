@@ -382,3 +382,122 @@ def test_sentence_transformer_fit(tmp_path, monkeypatch):
               optimizer_params={"lr": 0.1}, show_progress_bar=False)
     assert len(losses) == 2 and all(torch.isfinite(v) for v in losses)
     assert _changed(before, model)
+
+
+# --- the cached (GradCache) losses ---------------------------------------------------
+
+class _TinyEncoder(torch.nn.Module):
+    """A sentence-transformers module: token ids -> mean of 16-d token vectors ->
+    a linear layer, with dropout (so the cached losses must replay the random
+    state). Not a StaticEmbedding, which the cached losses refuse."""
+
+    def __init__(self):
+        super().__init__()
+        words = dict.fromkeys(w for pair in PAIRS for text in pair for w in text.split())
+        self.vocab = {w: i + 1 for i, w in enumerate(words)}  # 0: padding and unknown
+        self.embed = torch.nn.Embedding(len(self.vocab) + 1, 16, padding_idx=0)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.linear = torch.nn.Linear(16, 16)
+
+    def tokenize(self, texts, **kwargs):
+        ids = [[self.vocab.get(w, 0) for w in text.split()] for text in texts]
+        width = max(len(t) for t in ids)
+        input_ids = torch.tensor([t + [0] * (width - len(t)) for t in ids])
+        return {"input_ids": input_ids, "attention_mask": (input_ids != 0).long()}
+
+    def forward(self, features):
+        mask = features["attention_mask"].unsqueeze(-1).float()
+        tokens = self.dropout(self.embed(features["input_ids"]))
+        mean = (tokens * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        features["sentence_embedding"] = self.linear(mean)
+        return features
+
+    def get_sentence_embedding_dimension(self):
+        return 16
+
+
+def _tiny_encoder_model():
+    from sentence_transformers import SentenceTransformer
+
+    torch.manual_seed(0)
+    return SentenceTransformer(modules=[_TinyEncoder()], device="cpu")
+
+
+def _cached_loss_and_grads(loss_fn, model, columns, seed=3):
+    features = [model.tokenize(texts) for texts in columns]
+    model.zero_grad()
+    torch.manual_seed(seed)
+    value = loss_fn(features, None)
+    value.backward()
+    return value.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(directions=ALL, hardness_mode="all_negatives",
+                                             hardness_strength=2.0),
+                                    dict(directions=("query_to_doc", "doc_to_query"),
+                                         partition_mode="per_direction", scale=10.0)],
+                         ids=["default", "every direction, hardness", "symmetric"])
+@pytest.mark.parametrize("negatives", [False, True])
+def test_cached_matches_sentence_transformers(kwargs, negatives):
+    # The same model, batch and random state (dropout on): the loss and every
+    # parameter's gradient as sentence-transformers' cached loss gives them,
+    # with mini-batches of 3 rows of a batch of 8.
+    columns = [[a for a, _ in PAIRS], [p for _, p in PAIRS]]
+    if negatives:
+        columns.append(columns[1][1:] + columns[1][:1])
+    model = _tiny_encoder_model()
+    ours = nfnn.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3, **kwargs)
+    theirs = st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3, **kwargs)
+    model.train()
+    value, grads = _cached_loss_and_grads(ours, model, columns)
+    ref_value, ref_grads = _cached_loss_and_grads(theirs, model, columns)
+    torch.testing.assert_close(value, ref_value, rtol=2e-5, atol=2e-6)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=2e-4, atol=2e-6)
+    assert isinstance(ours.loss, nfnn.MultipleNegativesRankingLoss)
+    # Evaluation: no gradient cache, the loss alone.
+    with torch.no_grad():
+        features = [model.tokenize(texts) for texts in columns]
+        model.eval()
+        torch.testing.assert_close(ours(features, None), theirs(features, None),
+                                   rtol=2e-5, atol=2e-6)
+
+
+def test_cached_symmetric_config_citation():
+    model = _tiny_encoder_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sentence-transformers' symmetric class is deprecated
+        theirs = st_losses.CachedMultipleNegativesSymmetricRankingLoss(model, mini_batch_size=4)
+    ours = nfnn.CachedMultipleNegativesSymmetricRankingLoss(model, mini_batch_size=4)
+    assert ours.get_config_dict() == theirs.get_config_dict()
+    assert ours.citation == theirs.citation and ours.temperature == theirs.temperature
+    assert isinstance(ours, nfnn.CachedMultipleNegativesRankingLoss)
+    assert type(ours).__module__ == "nanfree.nn"
+    columns = [[a for a, _ in PAIRS], [p for _, p in PAIRS]]
+    value, grads = _cached_loss_and_grads(ours, model, columns)
+    ref_value, ref_grads = _cached_loss_and_grads(theirs, model, columns)
+    torch.testing.assert_close(value, ref_value, rtol=2e-5, atol=2e-6)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=2e-4, atol=2e-6)
+
+
+def test_cached_constructor_errors():
+    model = _tiny_encoder_model()
+    with pytest.raises(ValueError, match="scale"):
+        nfnn.CachedMultipleNegativesRankingLoss(model, scale=float("nan"))
+    with pytest.raises(ValueError):
+        nfnn.CachedMultipleNegativesRankingLoss(model, partition_mode="neither")
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding  # noqa: F401
+    with pytest.raises(ValueError, match="StaticEmbedding"):
+        nfnn.CachedMultipleNegativesRankingLoss(_tiny_model())
+
+
+def test_cached_loss_without_sentence_transformers_says_what_it_needs():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['sentence_transformers'] = None; import nanfree.nn as n\n"
+            "try:\n    n.CachedMultipleNegativesRankingLoss\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert "needs sentence-transformers" in out.stdout
