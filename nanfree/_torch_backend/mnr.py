@@ -15,8 +15,9 @@ from .numerics import acc_dtype
 PLAIN, PENALIZED, EXCLUDED, POSITIVE = 0, 1, 2, 3
 HARDNESS_IN_BATCH, HARDNESS_HARD, HARDNESS_ALL = 1, 2, 3
 
-# Logit entries per chunk (a [chunk, columns] matrix of the accumulation dtype).
-CHUNK_ENTRIES = 1 << 22
+# Logit entries per chunk (a [chunk, columns] matrix of the accumulation dtype): about
+# fifteen temporaries of this size live at once in the composed operations below.
+CHUNK_ENTRIES = 1 << 20
 
 
 def mnr_doc_penalized(mode, g, j, r, owned_end):
