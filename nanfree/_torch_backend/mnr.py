@@ -149,19 +149,14 @@ def _row_chunks(problem, columns):
     return range(0, problem.rows, step), step
 
 
-def _forward_chunk(problem, sets, g, scale, hs):
-    """(cos, kind, logit) of rows g (global) for each row kind, the rows'
-    logsumexps relative to their target logits, and the target logits."""
+def _chunk_logits(problem, sets, g, scale, hs):
+    """(cos, kind, logit) of rows g (global) for each row kind."""
     out = []
-    target = None
     for rows, cols in sets:
         cos = rows[g] @ cols.matrix.T
         kind = cols.kinds(problem, g)
-        logit = mnr_logit(cos, kind, scale, hs)
-        if target is None:  # the Q rows: the positive is doc g, column g
-            target = mnr_target_logit(cos.gather(1, g[:, None]).squeeze(1), scale)
-        out.append((cos, kind, logit, _row_relative_lse(logit, target)))
-    return out, target
+        out.append((cos, kind, mnr_logit(cos, kind, scale, hs)))
+    return out
 
 
 def _sets(problem, queries, docs, acc):
@@ -191,8 +186,8 @@ def _gradients(problem, queries, docs, scale_t, want_scale, stats, upstream):
         rel_q, rel_p, target = stats[local, 0], stats[local, 1], stats[local, 2]
         up = upstream[local]
         weight = up * weight_factor
-        for (rows, cols), (cos, kind, logit, _), query_row in zip(
-                sets, _forward_chunk(problem, sets, g, scale_t, hs)[0], (True, False)):
+        for (rows, cols), (cos, kind, logit), query_row in zip(
+                sets, _chunk_logits(problem, sets, g, scale_t, hs), (True, False)):
             normalizer = mnr_row_normalizer(rel_q, rel_p, target, query_row,
                                             problem.per_direction, problem.has_p_row)
             dlogit = mnr_logit_grad(logit, kind, normalizer[:, None], weight[:, None],
@@ -225,9 +220,11 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
     for start in chunks:
         local = torch.arange(start, min(start + step, rows), device=q.device)
         g = local + offset
-        results, target = _forward_chunk(problem, sets, g, scale_t, problem.hardness_strength)
-        for k, (_, _, _, lse) in enumerate(results):
-            stats[local, k] = lse
+        results = _chunk_logits(problem, sets, g, scale_t, problem.hardness_strength)
+        # The Q rows' positive is doc g, column g: its logit is the target logit.
+        target = mnr_target_logit(results[0][0].gather(1, g[:, None]).squeeze(1), scale_t)
+        for k, (_, _, logit) in enumerate(results):
+            stats[local, k] = _row_relative_lse(logit, target)
         stats[local, STATS - 1] = target
         loss_rows[local] = mnr_row_loss(stats[local, 0], stats[local, 1], per_direction,
                                         problem.has_p_row)
