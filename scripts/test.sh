@@ -7,10 +7,12 @@
 # the whole suite with one schedule, which must reach every kernel and launch
 # site, and with the grid capped to 3 blocks; the emulation's, special-value and
 # layout tests with the other schedules and the AddressSanitizer/UBSan build),
-# and, with a GPU, the compiled Triton kernels on CUDA tensors. Tests marked
+# and, with a GPU, the compiled Triton kernels on CUDA tensors; then every
+# Triton kernel is compiled for sm_90 without a GPU (scripts/triton_compile_check.py,
+# with the installed Triton and with the GPU machines' Triton). Tests marked
 # backend_independent (they do not call a kernel of the pass's backend) run in
 # the first pass only. Each pass prints how long it took. Extra arguments go to
-# pytest (and then the coverage check is left out).
+# pytest (and then the coverage and compile checks are left out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -38,6 +40,25 @@ OTHER=(-m "not backend_independent")
 run NANFREE_BACKEND= -- tests
 run NANFREE_BACKEND=torch -- tests "${OTHER[@]}"
 run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}"
+
+# Compiled Triton refuses code its interpreter runs: every kernel, as the ops
+# launch it, is compiled for sm_90 without a GPU, with this Triton and with the
+# Triton of the GPU machines (GPU_TRITON; installed apart, under build/).
+compile_check() {
+  echo "=== Triton kernels compiled for sm_90 with $1 ==="
+  local check_start=$SECONDS
+  shift
+  "$@" scripts/triton_compile_check.py
+  echo "=== took $((SECONDS - check_start)) s ==="
+}
+if ((${#PYTEST_ARGS[@]} == 0)); then
+  compile_check "the installed Triton" "$PYTHON"
+  gpu_triton="${GPU_TRITON:-3.6.0}"
+  gpu_triton_dir="build/triton-$gpu_triton"
+  [[ -d $gpu_triton_dir/triton ]] || \
+    "$PYTHON" -m pip install -q --no-deps --target "$gpu_triton_dir" "triton==$gpu_triton"
+  compile_check "Triton $gpu_triton" env "PYTHONPATH=$PWD/$gpu_triton_dir:$PYTHONPATH" "$PYTHON"
+fi
 
 emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
 if emulated plain && emulated grid_capped && emulated sanitized; then

@@ -95,11 +95,14 @@ STATS_PER_ROW = tl.constexpr(STATS)  # (rel_q, rel_p, t) of each local row
 # by BLOCK_N columns, cosines summed over d in chunks of BLOCK_K; the
 # backward adds each tile's dlogit @ vectors to its sums in chunks of BLOCK_D
 # entries of d. float32's IEEE dots are FMA loops (short chunks); float64
-# tiles are smaller. Compiled for sm_90 with 8 warps, none of them spills.
+# tiles are smaller. Every tile side a tl.dot reduces over (BLOCK_K, and
+# BLOCK_N or BLOCK_M in the backward) is at least 16: compiled Triton 3.6
+# refuses a dot with K < 16 (the interpreter and Triton 3.8 accept it;
+# scripts/triton_compile_check.py compiles every kernel without a GPU).
 BLOCKS = {
     torch.float16: (64, 64, 32, 64),
     torch.bfloat16: (64, 64, 32, 64),
-    torch.float32: (64, 64, 8, 32),
+    torch.float32: (64, 64, 16, 32),
     torch.float64: (32, 32, 16, 64),
 }
 FINISH_BLOCK = 128
