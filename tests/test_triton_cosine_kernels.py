@@ -596,8 +596,12 @@ def test_cos_sim_matrix_clamps(dtype, small_gemm_tiles):
     assert (exact > 1).any()
     out = check_matrix(a, a)
     neg = check_matrix(a, -a)
+    # Whether a sum of squares a little past 1 rounds past 1 depends on the
+    # order and the FMAs of the GEMM (the GPU's differ from the interpreter's);
+    # the clamp must hold wherever it does, and does at the one-ulp row.
     past = exact > 1
-    assert (out.diagonal()[past] == 1).all() and (neg.diagonal()[past] == -1).all()
+    assert (out.diagonal()[past] <= 1).all() and (neg.diagonal()[past] >= -1).all()
+    assert (out.diagonal()[past] >= 1 - 4 * torch.finfo(dtype).eps).all()
     assert out[0, 0] == 1 and neg[0, 0] == -1
     assert torch.isfinite(torch.acos(out.double())).all()
 
