@@ -188,8 +188,9 @@ def _cuda_extension():
 # The emulated CUDA builds: variant -> extra compiler and linker flags.
 EMULATION_VARIANTS = {
     "plain": ([], []),
-    # Every launch gets at most 3 blocks, so every grid-stride loop iterates.
-    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3"], []),
+    # Every launch gets at most 3 blocks, so every grid-stride loop iterates,
+    # and the MNR driver's chunks hold 1024 cosines, so that its row loop does.
+    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3", "-DNANFREE_MNR_CHUNK_ENTRIES=1024"], []),
     # AddressSanitizer and UndefinedBehaviorSanitizer (misaligned vector
     # accesses included); loading it needs libasan preloaded (scripts/test.sh).
     "sanitized": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",

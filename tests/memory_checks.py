@@ -70,3 +70,9 @@ def cpu_allocated_bytes(fn):
     """fn's output and the bytes it allocated on the CPU in all (frees not subtracted)."""
     out, events = _cpu_events(fn)
     return out, sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage > 0)
+
+
+def cpu_allocations_at_least(fn, nbytes):
+    """fn's output and how many single CPU allocations of at least nbytes it made."""
+    out, events = _cpu_events(fn)
+    return out, sum(1 for e in events if e.self_cpu_memory_usage >= nbytes)

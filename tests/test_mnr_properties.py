@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES, DTYPES, INTERPRETED, acc_dtype
-from memory_checks import cpu_allocated_bytes, saved_sizes
+from conftest import DEVICES, DTYPES, INTERPRETED, SERVING, acc_dtype
+from memory_checks import cpu_allocated_bytes, cpu_allocations_at_least, saved_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mnr_oracle import composed_mnr_loss
@@ -342,6 +342,28 @@ def test_backward_saves_nothing_of_the_logit_size(device, reduction, directions)
     ref = composed_mnr_loss(*cpu[:3], scale=cpu[3], directions=directions, reduction=reduction)
     for got, want in zip(grads, torch.autograd.grad(ref.sum(), cpu)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the CPU kernels' chunk size (the CUDA "
+                    "kernels run the same driver in several chunks in the grid-capped emulated pass)")
+def test_query_gradient_streams_without_a_float_accumulator():
+    # Queries that are rows only get their whole gradient within their chunk:
+    # finished there, with no [B, d] float accumulator. A reduced loss's forward
+    # computes the gradients; its [B, d]-sized allocations are the normalized
+    # queries and docs, the docs' accumulator and the two gradients (a
+    # queries' accumulator would be a sixth). 2560 rows against 2560 columns
+    # are two chunks of the CPU driver's 2^22 scores, each below [B, d].
+    b, d = 2560, 2048
+    gen = torch.Generator().manual_seed(0)
+    q, p = (torch.randn(b, d, generator=gen).requires_grad_(True) for _ in range(2))
+    loss, count = cpu_allocations_at_least(lambda: nf.mnr_loss(q, p), b * d * 4)
+    assert count == 5, count
+    # The streamed gradient against the composed loss's.
+    grads = torch.autograd.grad(loss, (q, p))
+    q64, p64 = (t.detach().double().requires_grad_(True) for t in (q, p))
+    ref = composed_mnr_loss(q64, p64, None, scale=20.0)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q64, p64))):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-7)
 
 
 def test_reduced_backward_allocates_each_gradient_once():

@@ -93,6 +93,12 @@ class MnrChunked {
     int64_t cols = 0;
     for (const MnrRowKind& k : kinds_) cols += k.columns.size(0);
     step_ = std::clamp<int64_t>(Tiles::kChunkEntries / std::max<int64_t>(cols, 1), 1, p_.rows);
+    // When the queries are rows only (never columns) and every row is local,
+    // a chunk's rows get their whole gradient in that chunk: it is finished
+    // there (streamed into the output), and no [R, d] float accumulator is
+    // held, only two chunk-sized temporaries (so not for a single chunk).
+    stream_query_grads_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
+                          p_.offset == 0 && p_.rows == p_.r && step_ < p_.rows;
   }
 
   // (loss, stats, grad_queries, grad_docs, grad_scale) of the mnr_loss op.
@@ -189,7 +195,11 @@ class MnrChunked {
 
   void start_gradients() {
     const at::TensorOptions acc = scale_.options();
-    grads_[0] = at::zeros({p_.r, p_.d}, acc);
+    if (stream_query_grads_) {
+      query_grad_out_ = at::empty({p_.r, p_.d}, acc.dtype(dtype_));
+    } else {
+      grads_[0] = at::zeros({p_.r, p_.d}, acc);
+    }
     grads_[1] = at::zeros({p_.m, p_.d}, acc);
     scale_grad_rows_ = at::zeros({p_.rows}, acc);
   }
@@ -200,6 +210,9 @@ class MnrChunked {
                        const at::Tensor& upstream) {
     const at::Tensor stats = stats_.narrow(0, start, n);
     const at::Tensor up = upstream.narrow(0, start, n);
+    // The chunk's rows' gradient when streamed (only the Q rows add to it).
+    const at::Tensor query_rows =
+        stream_query_grads_ ? at::zeros({n, p_.d}, scale_.options()) : at::Tensor();
     for (size_t k = 0; k < kinds_.size(); ++k) {
       const MnrRowKind& kind = kinds_[k];
       at::Tensor scale_grad = at::empty({n}, scale_.options());
@@ -207,8 +220,10 @@ class MnrChunked {
                        p_.per_direction, p_.has_p_row(), scale_grad);
       scale_grad_rows_.narrow(0, start, n).add_(scale_grad);
       const at::Tensor rows = kind.rows.narrow(0, p_.offset + start, n);
-      Tiles::accumulate(grads_[kind.row_target].narrow(0, p_.offset + start, n), cos[k],
-                        kind.columns);
+      Tiles::accumulate(kind.row_target == 0 && stream_query_grads_
+                            ? query_rows
+                            : grads_[kind.row_target].narrow(0, p_.offset + start, n),
+                        cos[k], kind.columns);
       const int64_t cols = kind.columns.size(0);
       if (kind.first_len > 0) {
         Tiles::accumulate(grads_[kind.first_target].narrow(0, 0, kind.first_len),
@@ -219,24 +234,38 @@ class MnrChunked {
                           cos[k].narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
       }
     }
+    if (stream_query_grads_) {
+      query_grad_out_.narrow(0, start, n).copy_(finish_gradient(query_rows, 0, start, n));
+    }
+  }
+
+  // The gradient of input i (0 queries, 1 docs) for its rows [start, start + n)
+  // from their accumulated float gradient g (modified in place): times the
+  // upstream factor, saturated at the largest finite value of the inputs'
+  // dtype (a true gradient past its range, or a half one, as the cosine
+  // family's; NaN stays NaN through clamp), then through the normalization.
+  at::Tensor finish_gradient(at::Tensor g, int i, int64_t start, int64_t n) const {
+    static const auto normalize_backward =
+        find_op<NormalizeBackwardSignature>("nanfree::normalize_backward");
+    const double big = largest_finite(dtype_);
+    if (upstream_factor_.defined()) g.mul_(upstream_factor_);
+    g.clamp_(-big, big);
+    return normalize_backward.call(g.to(dtype_), normalized_[i].narrow(0, start, n),
+                                   norm_stats_[i].narrow(0, start, n));
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradients(bool scale_grad) {
-    static const auto normalize_backward =
-        find_op<NormalizeBackwardSignature>("nanfree::normalize_backward");
     kinds_.clear();  // the operands (copies for half inputs) are no longer needed
-    // Gradients saturate at the largest finite value of the inputs' dtype (a
-    // true gradient past its range, or a half one, as the cosine family's); NaN
-    // stays NaN through clamp.
-    const double big = largest_finite(dtype_);
     const double acc_big = largest_finite(acc_);
     at::Tensor out[2];
     for (int i = 0; i < 2; ++i) {
-      at::Tensor g = std::move(grads_[i]);  // in place from here: no second copy is held
-      if (upstream_factor_.defined()) g.mul_(upstream_factor_);
-      g.clamp_(-big, big);
-      // d loss / d normalized row, then through the normalization.
-      out[i] = normalize_backward.call(g.to(dtype_), normalized_[i], norm_stats_[i]);
+      if (i == 0 && stream_query_grads_) {
+        out[0] = std::move(query_grad_out_);  // finished chunk by chunk
+      } else {
+        // Moved: in place from here, no second copy is held.
+        const int64_t n = grads_[i].size(0);
+        out[i] = finish_gradient(std::move(grads_[i]), i, 0, n);
+      }
       normalized_[i] = at::Tensor();
       norm_stats_[i] = at::Tensor();
     }
@@ -257,7 +286,9 @@ class MnrChunked {
   std::vector<MnrRowKind> kinds_;
   int64_t step_;
   at::Tensor stats_;
-  at::Tensor grads_[2];
+  at::Tensor grads_[2];      // float accumulators (grads_[0] unused when streamed)
+  bool stream_query_grads_;  // see the constructor
+  at::Tensor query_grad_out_;  // the queries' gradient, when streamed
   at::Tensor scale_grad_rows_;
   at::Tensor upstream_factor_;  // 2^e of scale_upstream; undefined: 1
 };

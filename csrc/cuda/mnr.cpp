@@ -77,7 +77,13 @@ struct CudaMnrTiles {
   // write their float32 accumulator once per chunk: 2 n flops per 8 bytes,
   // so n must be about 1000 before the tensor cores (about 300 flops per byte
   // of H100 bandwidth) rather than that traffic set the pace.
+#ifdef NANFREE_MNR_CHUNK_ENTRIES
+  // The grid-capped emulated build: chunks of a few rows, so that the tests'
+  // small problems run in several chunks (streamed query gradients included).
+  static constexpr int64_t kChunkEntries = NANFREE_MNR_CHUNK_ENTRIES;
+#else
   static constexpr int64_t kChunkEntries = int64_t(1) << 26;
+#endif
 
   static at::Tensor operand(const at::Tensor& matrix) {
 #if NANFREE_MM_FLOAT32
