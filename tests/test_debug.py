@@ -1,0 +1,189 @@
+"""nanfree.debug.detect_anomaly: the first op that produces NaN or inf, forward or
+backward, with its module path, user line, tensors and counts."""
+
+import inspect
+
+import pytest
+import torch
+from conftest import DEVICES
+
+import nanfree.ops as nf
+from nanfree.debug import NonFiniteError, detect_anomaly
+
+# Only torch's own kernels run in these tests (the checks are Python around
+# every op), except where marked: the same in every backend's pass.
+independent = pytest.mark.backend_independent
+
+
+def _line_of(fn, text):
+    """'file:line' of the line of fn's source holding `text`."""
+    lines, start = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{start + offset}"
+
+
+class Attention(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x - 2.0)  # NaN for x < 2
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), Attention()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+
+    def forward(self, x):
+        return self.encoder(x).sum()
+
+
+@independent
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_nan_names_op_module_and_line(device):
+    net = Net().to(device)
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(NonFiniteError) as info, detect_anomaly(model=net):
+        net(x)
+    e = info.value
+    assert e.op == "aten.log" and e.phase == "forward" and e.node is None
+    assert e.module == "encoder.layers.1"
+    assert e.location == _line_of(Attention.forward, "torch.log")
+    assert not e.inherited
+    (out,) = e.tensors
+    assert out["role"] == "output" and out["shape"] == [3, 4] and out["dtype"] == "float32"
+    want = torch.log(net.encoder.layers[0](x) - 2.0)
+    assert out["nan"] == int(torch.isnan(want).sum()) > 0
+    message = str(e)
+    assert "aten.log produced NaN in the forward" in message
+    assert "encoder.layers.1" in message and "torch.log(x - 2.0)" in message
+
+
+@independent
+def test_module_path_without_model_starts_at_the_outermost_class():
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        Net()(torch.randn(3, 4))
+    assert info.value.module == "Net.encoder.layers.1"
+
+
+@independent
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_inf_names_the_node_and_its_forward_line(device):
+    x = torch.tensor([0.0, 1.0], device=device, requires_grad=True)
+
+    def step():
+        y = torch.sqrt(x)  # the forward line of the failing backward
+        y.sum().backward()
+
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        step()
+    e = info.value
+    assert e.phase == "backward" and e.node.name() == "SqrtBackward0"
+    assert e.forward_op == "torch.sqrt"
+    assert e.location == _line_of(step, "torch.sqrt(x)")
+    assert e.tensors[0]["posinf"] == 1 and e.tensors[0]["finite_max"] == 0.5
+    assert "autograd node: SqrtBackward0, made by the forward call torch.sqrt" in str(e)
+
+
+@independent
+def test_inf_is_caught_unless_check_inf_is_false():
+    x = torch.tensor([1.0, 0.0])
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        1.0 / x
+    assert info.value.op == "aten.reciprocal" or info.value.op.startswith("aten.div")
+    assert info.value.tensors[0]["posinf"] == 1
+    with detect_anomaly(check_inf=False):
+        y = 1.0 / x  # inf only: not checked
+        with pytest.raises(NonFiniteError):
+            y - y  # inf - inf = NaN
+
+
+@independent
+def test_dirty_data_blames_the_first_op_and_says_it_was_inherited():
+    # m / m.max() with an all-zero mask: 0/0 is made here, by the division.
+    mask = torch.zeros(4)
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        mask / mask.max()
+    assert info.value.op == "aten.div.Tensor" and not info.value.inherited
+    # A NaN already in the data: the first op that reads it, marked inherited.
+    data = torch.tensor([1.0, float("nan")])
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        data * 2
+    assert info.value.inherited and info.value.op == "aten.mul.Tensor"
+    assert [t["role"] for t in info.value.tensors] == ["output", "input"]
+    assert "already held a non-finite value" in str(info.value)
+
+
+class Masked(torch.nn.Module):
+    def forward(self, scores, keep, poison=False):
+        out = scores.masked_fill(~keep, float("-inf"))
+        return out * float("nan") if poison else out
+
+
+@independent
+def test_allow_takes_ops_and_module_paths_for_minus_inf_only():
+    scores, keep = torch.randn(2, 3), torch.tensor([[True, False, True]] * 2)
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        Masked()(scores, keep)
+    assert info.value.op == "aten.masked_fill.Scalar" and info.value.tensors[0]["neginf"] == 2
+    with detect_anomaly(allow="masked_fill"):
+        Masked()(scores, keep)
+    with detect_anomaly(allow=["aten.masked_fill.Scalar"]):
+        Masked()(scores, keep)
+    net = torch.nn.Sequential(Masked())
+    with detect_anomaly(allow=["0"], model=net):
+        net[0](scores, keep)
+    # NaN from an allowed module still raises.
+    with pytest.raises(NonFiniteError), detect_anomaly(allow=["0"], model=net):
+        net[0](scores, keep, poison=True)
+    with pytest.raises(TypeError, match="allow"):
+        detect_anomaly(allow=[torch.log])
+
+
+@independent
+def test_decorator_and_clean_exit():
+    @detect_anomaly()
+    def bad(x):
+        return torch.log(x)
+
+    with pytest.raises(NonFiniteError):
+        bad(torch.tensor([-1.0]))
+    # Nothing is left installed after the region (also after an error).
+    assert torch.log(torch.tensor([-1.0])).isnan().all()
+    with detect_anomaly():
+        torch.randn(5).exp().sum()  # finite: nothing raised
+
+
+@independent
+def test_compiled_code_runs_eagerly_inside_the_region():
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.log(x) * 2
+
+    f(torch.tensor([2.0]))  # compiled outside the region
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        f(torch.tensor([-1.0]))
+    assert info.value.op == "aten.log"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nanfree_ops_are_checked_and_pass(device):
+    # The backend's own kernels: a clean step through nanfree ops passes; a NaN
+    # given to one is reported at the nanfree op, as inherited.
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    with detect_anomaly():
+        (nf.log_softmax(x, -1).sum() + nf.softmax(x, -1).sum()).backward()
+    bad = x.detach().clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        nf.softmax(bad, -1)
+    assert info.value.op.startswith("nanfree.softmax") and info.value.inherited
