@@ -1,6 +1,10 @@
 import math
 import os
 
+# The environment pytest started with, before any test module was collected
+# (tests/test_backends.py checks that importing them changes nothing).
+ENVIRONMENT_AT_START = dict(os.environ)
+
 import pytest
 import torch
 from hypothesis import settings

@@ -15,14 +15,15 @@ import torch
 import nanfree
 import nanfree.nn as nfnn
 import nanfree.ops as nf
-from conftest import INTERPRETED
+from conftest import ENVIRONMENT_AT_START, INTERPRETED
 from nanfree._backends import SERVING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _python(code, **env):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("NANFREE_BACKEND", "TRITON_INTERPRET")}
+def _python(code, environment=None, **env):
+    base = os.environ if environment is None else environment
+    full_env = {k: v for k, v in base.items() if k not in ("NANFREE_BACKEND", "TRITON_INTERPRET")}
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env)
 
@@ -73,10 +74,21 @@ def test_interpreter_never_serves_cuda_tensors():
 def test_no_test_module_changes_the_environment():
     # Each pass of scripts/test.sh tests the backend it names only if no module
     # it imports changes the process's environment (TRITON_INTERPRET above all).
+    # The third-party libraries the test modules import are imported first:
+    # some set variables of their own when imported (sklearn, under
+    # sentence-transformers, KMP_*; torch._inductor its cache folder), which is
+    # not a test module's doing. The child starts from the environment pytest
+    # started with (collection has imported every test module since).
     modules = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "test_*.py")))
     code = (
         "import importlib, os, sys\n"
         f"sys.path.insert(0, {HERE!r})\n"
+        "for library in ('torch', 'torch._inductor.config', 'numpy', 'pytest', 'hypothesis',\n"
+        "                'triton', 'sentence_transformers'):\n"
+        "    try:\n"
+        "        importlib.import_module(library)\n"
+        "    except ImportError:\n"
+        "        pass\n"
         "before = dict(os.environ)\n"
         f"for name in {modules!r}:\n"
         "    try:\n"
@@ -86,7 +98,7 @@ def test_no_test_module_changes_the_environment():
         "    changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
         "    assert not changed, f'{name} changed {sorted(changed)}'\n"
     )
-    result = _python(code)
+    result = _python(code, environment=ENVIRONMENT_AT_START)
     assert result.returncode == 0, result.stderr
 
 
