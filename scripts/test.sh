@@ -48,16 +48,18 @@ compile_check() {
   echo "=== Triton kernels compiled for sm_90 with $1 ==="
   local check_start=$SECONDS
   shift
-  "$@" scripts/triton_compile_check.py
+  "$@"
   echo "=== took $((SECONDS - check_start)) s ==="
 }
 if ((${#PYTEST_ARGS[@]} == 0)); then
-  compile_check "the installed Triton" "$PYTHON"
+  compile_check "the installed Triton (--quick: fewer dtypes and shapes)" \
+    "$PYTHON" scripts/triton_compile_check.py --quick
   gpu_triton="${GPU_TRITON:-3.6.0}"
   gpu_triton_dir="build/triton-$gpu_triton"
   [[ -d $gpu_triton_dir/triton ]] || \
     "$PYTHON" -m pip install -q --no-deps --target "$gpu_triton_dir" "triton==$gpu_triton"
-  compile_check "Triton $gpu_triton" env "PYTHONPATH=$PWD/$gpu_triton_dir:$PYTHONPATH" "$PYTHON"
+  compile_check "Triton $gpu_triton" \
+    env "PYTHONPATH=$PWD/$gpu_triton_dir:$PYTHONPATH" "$PYTHON" scripts/triton_compile_check.py
 fi
 
 emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
