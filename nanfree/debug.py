@@ -32,6 +32,7 @@ import contextlib
 import linecache
 import os
 import sys
+import sysconfig
 import warnings
 import weakref
 
@@ -43,8 +44,8 @@ __all__ = ["detect_anomaly", "NonFiniteError"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-# Frames inside these folders are not the user's line.
-_INTERNAL = (_HERE, _TORCH, os.path.dirname(contextlib.__file__))
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+_SITE = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")})
 _META_KEY = "nanfree.debug.forward"
 
 
@@ -62,12 +63,22 @@ class NonFiniteError(RuntimeError):
             setattr(self, key, value)
 
 
+def _internal(filename):
+    """Whether a frame's file is torch's, nanfree's or the standard library's
+    (whose folder may hold site-packages: the libraries there are the user's)."""
+    if filename.startswith("<"):
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith((_HERE + os.sep, _TORCH + os.sep)):
+        return True
+    return path.startswith(_STDLIB) and not path.startswith(_SITE)
+
+
 def _user_location():
     """'file:line' of the innermost frame outside torch and nanfree."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_INTERNAL) and not path.startswith("<"):
+        if not _internal(frame.f_code.co_filename):
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -79,13 +90,30 @@ def _source(location):
     return f"{location}: {text}" if text else location
 
 
+def _checked(t):
+    """A dense tensor with values (not sparse, meta or fake) of a floating or
+    complex dtype, as a tensor isfinite runs on (float8 upcast), else None."""
+    if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0 \
+            or not (t.is_floating_point() or t.is_complex()):
+        return None
+    if type(t).__name__ == "FakeTensor":
+        return None
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.detach().float()  # float8: no isfinite of its own
+    return t.detach()
+
+
 def _stats(t):
     """Counts and finite range of a floating tensor (one sync each: only on failure)."""
-    x = t.detach()
+    x = _checked(t)
+    if x is None:
+        x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)  # counts and range over real and imaginary parts
     finite = torch.isfinite(x)
     values = x[finite]
     return dict(
-        dtype=str(x.dtype).replace("torch.", ""), shape=list(x.shape),
+        dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape),
         nan=int(torch.isnan(x).sum()), posinf=int((x == float("inf")).sum()),
         neginf=int((x == float("-inf")).sum()), zeros=int((x == 0).sum()),
         finite_min=float(values.min()) if values.numel() else None,
@@ -102,6 +130,22 @@ def _describe(t):
 def _tensors(tree):
     flat, _ = torch.utils._pytree.tree_flatten(tree)
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _written_arguments(func, args, kwargs):
+    """The tensors an op writes in place (its schema's `(a!)` arguments)."""
+    written = []
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return written
+    for i, argument in enumerate(arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+        written += _tensors(value)
+    return written
 
 
 def _op_name(func):
@@ -175,11 +219,18 @@ class _ForwardStamps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled():
-            for t in _tensors(out):
-                node = t.grad_fn
-                if node is not None and _META_KEY not in node.metadata:
-                    node.metadata[_META_KEY] = (_call_name(func), self.modules.path(),
-                                                _user_location())
+            stamp = None
+            # The output's node and the nodes behind it that this call made
+            # (a composite function's interior): every unstamped one.
+            todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+            while todo:
+                node = todo.pop()
+                if node is None or _META_KEY in node.metadata \
+                        or type(node).__name__ == "AccumulateGrad":
+                    continue
+                stamp = stamp or (_call_name(func), self.modules.path(), _user_location())
+                node.metadata[_META_KEY] = stamp
+                todo += [n for n, _ in node.next_functions]
         return out
 
 
@@ -191,22 +242,36 @@ class _Checker(TorchDispatchMode):
         self.allow = tuple(allow)
 
     def _bad(self, t):
-        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        x = _checked(t)
+        if x is None:
             return False
-        bad = ~torch.isfinite(t) if self.check_inf else torch.isnan(t)
+        bad = ~torch.isfinite(x) if self.check_inf else torch.isnan(x)
         return bool(bad.any())
 
-    def _allowed(self, op, module, t):
-        """-inf alone (no NaN, no +inf), from an op or module the user allowed."""
-        if not self.allow or bool(torch.isnan(t).any()) or bool((t == float("inf")).any()):
+    def _allowed(self, op, module, t, minus_inf_in):
+        """-inf alone (no NaN, no +inf), from an op or module the user allowed,
+        or passed on from an input that held -inf (a view, copy or reduction of
+        an allowed mask), once anything is allowed."""
+        x = _checked(t)
+        if not self.allow or x is None or x.is_complex() or bool(torch.isnan(x).any()) \
+                or bool((x == float("inf")).any()):
             return False
+        if minus_inf_in:
+            return True
         short = op.split(".")[1] if op.count(".") >= 1 else op
-        return any(a in (op, short) or (module and (module == a or module.startswith(a + ".")))
+        return any(a in (op, short, short.rstrip("_"))
+                   or (module and (module == a or module.startswith(a + ".")))
                    for a in self.allow)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        written = _written_arguments(func, args, kwargs)
+        # An argument the op writes: whether it held a non-finite value before.
+        held = {id(t) for t in written if self._bad(t)}
+        out = func(*args, **kwargs)
         outputs = _tensors(out)
+        seen = {id(t) for t in outputs}
+        outputs += [t for t in written if id(t) not in seen]
         offending = [t for t in outputs if self._bad(t)]
         if not offending:
             return out
@@ -217,10 +282,15 @@ class _Checker(TorchDispatchMode):
         else:
             phase = "backward"
             forward, module, location = node.metadata.get(_META_KEY, (None, "", "<not recorded>"))
-        if all(self._allowed(op, module, t) for t in offending):
-            return out
+        written_ids = {id(t) for t in written}
         inputs = _tensors((args, kwargs))
-        bad_inputs = [t for t in inputs if self._bad(t)]
+        # Written arguments count as inputs by what they held before the op.
+        bad_inputs = [t for t in inputs if (id(t) in held if id(t) in written_ids
+                                            else self._bad(t))]
+        minus_inf_in = any(_checked(t) is not None and bool((_checked(t) == float("-inf")).any())
+                           for t in inputs if id(t) not in written_ids)
+        if all(self._allowed(op, module, t, minus_inf_in) for t in offending):
+            return out
         raise _error(op, phase, node, forward, module, location, inputs, outputs, offending,
                      bad_inputs)
 
@@ -254,6 +324,7 @@ def _error(op, phase, node, forward, module, location, inputs, outputs, offendin
 
 
 _WARNED_COMPILE = []
+_ACTIVE = []  # the region being run (one at a time: nested ones run under it)
 
 
 class detect_anomaly(contextlib.ContextDecorator):
@@ -277,27 +348,37 @@ class detect_anomaly(contextlib.ContextDecorator):
         self.check_inf = bool(check_inf)
         self.allow = tuple(allow)
         self.model = model
-        self._stack = None
+        self._stacks = []  # one per entry (a decorator's instance is entered again)
 
     def __enter__(self):
+        # Nested regions (also a decorated function calling itself) run under
+        # the outermost one: its settings apply, and nothing is checked twice.
+        if _ACTIVE:
+            self._stacks.append(None)
+            return self
+        if not _WARNED_COMPILE:
+            _WARNED_COMPILE.append(True)
+            warnings.warn("nanfree.debug.detect_anomaly: code compiled with torch.compile runs "
+                          "eagerly inside the region, so that every op is checked", stacklevel=2)
         modules = _ModuleStack()
         if self.model is not None:
             modules.names[self.model] = ""
             for name, sub in self.model.named_modules():
                 if name:
                     modules.names.setdefault(sub, name)
-        stack = contextlib.ExitStack()
-        stack.enter_context(modules)
-        if not _WARNED_COMPILE:
-            _WARNED_COMPILE.append(True)
-            warnings.warn("nanfree.debug.detect_anomaly: code compiled with torch.compile runs "
-                          "eagerly inside the region, so that every op is checked", stacklevel=2)
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
-        stack.enter_context(_ForwardStamps(modules))
-        stack.enter_context(_Checker(modules, self.check_inf, self.allow))
-        self._stack = stack
+        # Built in a stack that undoes whatever was installed if a step fails.
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(modules)
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(_ForwardStamps(modules))
+            stack.enter_context(_Checker(modules, self.check_inf, self.allow))
+            self._stacks.append(stack.pop_all())
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
-        stack, self._stack = self._stack, None
+        stack = self._stacks.pop()
+        if stack is None:
+            return False
+        _ACTIVE.pop()
         return stack.__exit__(*exc)

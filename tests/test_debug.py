@@ -187,3 +187,57 @@ def test_nanfree_ops_are_checked_and_pass(device):
     with pytest.raises(NonFiniteError) as info, detect_anomaly():
         nf.softmax(bad, -1)
     assert info.value.op.startswith("nanfree.softmax") and info.value.inherited
+
+
+@independent
+def test_in_place_and_foreach_writes_are_checked_and_not_inherited():
+    x = torch.tensor([-1.0, 2.0])
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        x.log_()
+    assert info.value.op == "aten.log_" and not info.value.inherited
+    ts = [torch.tensor([1.0]), torch.tensor([-1.0])]
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        torch._foreach_log_(ts)
+    assert info.value.op == "aten._foreach_log_" and info.value.tensors[0]["nan"] == 1
+
+
+@independent
+def test_attention_masks_pass_with_allow():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 4 + [True]] * 2)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.no_grad(), detect_anomaly(allow=["masked_fill"]):
+        layer(x, src_key_padding_mask=padding)
+    with pytest.raises(NonFiniteError), torch.no_grad(), detect_anomaly():
+        layer(x, src_key_padding_mask=padding)
+    with torch.no_grad(), detect_anomaly(allow=["triu"]):
+        layer(x, src_mask=causal.clone())
+
+
+@independent
+def test_recursive_decorated_call_and_unusual_outputs():
+    @detect_anomaly()
+    def depth(n):
+        return depth(n - 1) if n else torch.ones(2).sum()
+
+    depth(3)
+    assert torch.log(torch.tensor([-1.0])).isnan().all()  # nothing left installed
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    with detect_anomaly():
+        embedding(torch.tensor([1, 2])).sum().backward()  # sparse gradient: not read
+        z = torch.randn(3, dtype=torch.complex64) * 2
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        z / torch.zeros(3, dtype=torch.complex64)
+    assert info.value.tensors[0]["dtype"] == "complex64"
+
+
+@independent
+def test_backward_inside_a_composite_call_names_that_call():
+    x = torch.tensor([[0.0, 1.0]], requires_grad=True)
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        torch.nn.functional.normalize(x, p=0.5).sum().backward()
+    e = info.value
+    assert e.phase == "backward" and e.forward_op == "torch.nn.functional.normalize"
+    assert e.location == _line_of(test_backward_inside_a_composite_call_names_that_call,
+                                  "normalize(x, p=0.5)")

@@ -96,7 +96,7 @@ class MnrChunked {
     // When the queries are rows only (never columns) and every row is local,
     // a chunk's rows get their whole gradient in that chunk: it is finished
     // there (streamed into the output), and no [R, d] float accumulator is
-    // held, only two chunk-sized temporaries (so not for a single chunk).
+    // held, only chunk-sized temporaries (so not for a single chunk).
     stream_query_grads_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
                           p_.offset == 0 && p_.rows == p_.r && step_ < p_.rows;
   }
