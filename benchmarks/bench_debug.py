@@ -1,6 +1,9 @@
-"""What nanfree.debug.detect_anomaly costs: forward+backward steps of two small
-models eager, under torch.autograd.detect_anomaly and under nanfree's, timed
-alternately (best of --rounds rounds of --steps steps each).
+"""What nanfree.debug.detect_anomaly and nanfree.optim.FiniteGuard cost: forward+
+backward steps of two small models eager, under torch.autograd.detect_anomaly
+and under nanfree's; then whole training steps (forward, backward, Adam) with
+the plain optimizer and wrapped in FiniteGuard (for-loop Adam: restored from a
+copy where skipped; fused Adam: its found_inf flag). Timed alternately, best of
+--rounds rounds of --steps steps each.
 
     python benchmarks/bench_debug.py [--rounds 5] [--steps 5]
 """
@@ -16,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from nanfree.debug import detect_anomaly  # noqa: E402
+from nanfree.optim import FiniteGuard  # noqa: E402
 
 
 def models():
@@ -54,6 +58,26 @@ def main():
         print(name)
         for side, seconds in best.items():
             print(f"  {side:<30} {seconds * 1e3:8.2f} ms  {seconds / best['eager']:5.1f}x")
+        print(f"  training steps (ms per step, ratio to the plain optimizer's)")
+        for fused in (False, True):
+            plain = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
+            guard = FiniteGuard(torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused),
+                                log_every=100)
+            steppers = {"Adam": plain, "FiniteGuard(Adam)": guard}
+            best = {}
+            for _ in range(args.rounds):
+                for side, optimizer in steppers.items():
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        optimizer.zero_grad()
+                        model(x).square().mean().backward()
+                        optimizer.step()
+                    elapsed = (time.perf_counter() - start) / args.steps
+                    best[side] = min(best.get(side, float("inf")), elapsed)
+            kind = "fused" if fused else "for-loop"
+            for side, seconds in best.items():
+                print(f"    {side + ' ' + kind:<28} {seconds * 1e3:8.2f} ms  "
+                      f"{seconds / best['Adam']:6.3f}x")
 
 
 if __name__ == "__main__":

@@ -234,6 +234,12 @@ class _ForwardStamps(TorchFunctionMode):
         return out
 
 
+# Ops whose output is allocated, not computed.
+_UNINITIALIZED = {getattr(torch.ops.aten, name) for name in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+    "resize_", "resize_as_", "set_")}
+
+
 class _Checker(TorchDispatchMode):
     def __init__(self, modules, check_inf, allow):
         super().__init__()
@@ -265,6 +271,9 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.overloadpacket in _UNINITIALIZED:
+            # Memory not yet written (whatever bits it holds are not a result).
+            return func(*args, **kwargs)
         written = _written_arguments(func, args, kwargs)
         # An argument the op writes: whether it held a non-finite value before.
         held = {id(t) for t in written if self._bad(t)}

@@ -241,3 +241,11 @@ def test_backward_inside_a_composite_call_names_that_call():
     assert e.phase == "backward" and e.forward_op == "torch.nn.functional.normalize"
     assert e.location == _line_of(test_backward_inside_a_composite_call_names_that_call,
                                   "normalize(x, p=0.5)")
+
+
+@independent
+def test_uninitialized_memory_is_not_a_result():
+    with detect_anomaly():
+        for _ in range(20):
+            torch.empty(1000).fill_(1.0)
+            torch.empty_like(torch.ones(64, 64)).zero_()

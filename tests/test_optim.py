@@ -1,0 +1,154 @@
+"""nanfree.optim.FiniteGuard: a step with a non-finite loss or gradient is skipped on
+the device, every other step is the optimizer's own."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from nanfree.debug import NonFiniteError
+from nanfree.optim import FiniteGuard
+
+# Only torch's kernels run here: the same in every backend's pass.
+pytestmark = pytest.mark.backend_independent
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+
+def _state_tensors(optimizer):
+    return [v.clone() for s in optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_skips_exactly_the_non_finite_steps(name):
+    batches = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    plain_model, guarded_model = _model(), _model()
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    guard = FiniteGuard(OPTIMIZERS[name](guarded_model.parameters()), log_every=0)
+    for i, x in enumerate(batches):
+        _grads(guarded_model, x)
+        if i in (0, 2):  # an inf gradient, first step included (state not made yet)
+            guarded_model[0].weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in guarded_model.parameters()]
+            state = _state_tensors(guard.optimizer)
+            guard.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, guarded_model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(state, _state_tensors(guard.optimizer))
+                       ) or i == 0
+            continue
+        _grads(plain_model, x)
+        plain.step()
+        guard.step()
+        for a, b in zip(plain_model.parameters(), guarded_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert guard.skipped_steps == 2 and guard.steps == 4
+
+
+def test_nan_loss_skips_with_finite_gradients():
+    model = _model()
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), log_every=0)
+    _grads(model, torch.randn(5, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    guard.step(loss=torch.tensor(float("nan")))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert guard.skipped_steps == 1
+    guard.step(loss=torch.tensor(1.0))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_clipping_never_writes_nan_and_matches_clip_grad_norm():
+    model, ref = _model(), _model()
+    x = torch.randn(5, 4)
+    _grads(model, x), _grads(ref, x)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.0), clip_norm=0.01, log_every=0)
+    guard.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    # One inf gradient: clip_grad_norm_ would write NaN or 0 everywhere; here the
+    # other gradients stay as they were (and the step is skipped).
+    _grads(model, x)
+    model[0].weight.grad[0, 0] = float("inf")
+    others = [p.grad.clone() for p in list(model.parameters())[1:]]
+    guard.step()
+    assert all(torch.equal(a, p.grad) for a, p in zip(others, list(model.parameters())[1:]))
+    assert guard.skipped_steps == 1
+
+
+def test_skips_are_logged_and_schedulers_stay_in_step():
+    model = _model()
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=1.0), log_every=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(guard.optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            _grads(model, torch.randn(5, 4))
+            if i == 1:
+                model[0].bias.grad[0] = float("nan")
+            guard.step()
+            scheduler.step()
+    messages = [str(w.message) for w in caught]
+    assert any("1 of the last steps skipped" in m and "1 of 4" not in m for m in messages)
+    assert not any("lr_scheduler.step()" in m for m in messages)
+    assert guard.optimizer.param_groups[0]["lr"] == 1.0 / 16
+
+
+def test_a_skipped_closure_step_is_located():
+    model = _model()
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), locate=True, log_every=0)
+    x = torch.randn(5, 4)
+    batch = {"c": torch.tensor(2.0)}
+
+    def closure():
+        guard.zero_grad()
+        loss = model(x).square().mean() * torch.log(batch["c"])  # NaN for c < 0
+        loss.backward()
+        return loss
+
+    guard.step(closure)
+    assert guard.last_report is None and guard.skipped_steps == 0
+    batch["c"] = torch.tensor(-1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="skipped; nanfree.debug.detect_anomaly: aten.log"):
+        guard.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    report = guard.last_report
+    assert isinstance(report, NonFiniteError) and report.op == "aten.log"
+    assert report.phase == "forward" and guard.skipped_steps == 1
+
+
+def test_arguments_are_checked():
+    with pytest.raises(TypeError, match="FiniteGuard: `optimizer`"):
+        FiniteGuard(object())
+    params = _model().parameters()
+    with pytest.raises(ValueError, match="clip_norm"):
+        FiniteGuard(torch.optim.SGD(params, lr=0.1), clip_norm=float("inf"))
+
+
+def test_state_dict_round_trip():
+    model = _model()
+    guard = FiniteGuard(torch.optim.Adam(model.parameters()), log_every=0)
+    _grads(model, torch.randn(5, 4))
+    guard.step()
+    copied = FiniteGuard(torch.optim.Adam(copy.deepcopy(model).parameters()), log_every=0)
+    copied.load_state_dict(guard.state_dict())
+    assert copied.steps == 1 and copied.skipped_steps == 0
