@@ -246,6 +246,7 @@ class _Checker(TorchDispatchMode):
         self.modules = modules
         self.check_inf = check_inf
         self.allow = tuple(allow)
+        self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
 
     def _bad(self, t):
         x = _checked(t)
@@ -272,11 +273,15 @@ class _Checker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket in _UNINITIALIZED:
-            # Memory not yet written (whatever bits it holds are not a result).
-            return func(*args, **kwargs)
+            # Memory not yet written (whatever bits it holds are not a result):
+            # not checked, and not "held" by an op that writes it next.
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                self.fresh[id(t)] = t
+            return out
         written = _written_arguments(func, args, kwargs)
         # An argument the op writes: whether it held a non-finite value before.
-        held = {id(t) for t in written if self._bad(t)}
+        held = {id(t) for t in written if self.fresh.pop(id(t), None) is not t and self._bad(t)}
         out = func(*args, **kwargs)
         outputs = _tensors(out)
         seen = {id(t) for t in outputs}

@@ -10,7 +10,10 @@ GradScaler's kernel), and skips the update on the device, without a host sync:
   the update itself;
 - any other optimizer steps, and every parameter and state tensor it changed is
   put back where the flag is set (``torch.where`` from a copy taken before the
-  step): the same result, at the cost of one copy of the parameters and state.
+  step): the same result, at the cost of one copy of the parameters and state;
+- a step that would create optimizer state (a parameter's first) reads the flag
+  once and, when set, does not call the optimizer: a skipped first step leaves
+  no state behind.
 
 With ``clip_norm``, the gradients are clipped by their total norm first, with a
 coefficient that a non-finite norm cannot turn into NaN or 0 in every gradient
@@ -31,6 +34,7 @@ in ``last_report`` (and logged). Locating reads the flag after each step (one
 sync); it runs only after a detection.
 """
 
+import math
 import warnings
 
 import torch
@@ -81,10 +85,12 @@ class FiniteGuard:
         self.locate = bool(locate)
         self.steps = 0
         self.skipped = None  # device counter of skipped steps (int64), made on first use
+        self._skipped_before = 0  # skips counted before a load_state_dict
         self._logged = 0
-        self.last_report = None
+        self.last_report = None  # the first skipped step's report (False: not reproducible)
 
-    # The optimizer's interface, passed through.
+    # The optimizer's interface, passed through (an LR scheduler takes
+    # guard.optimizer: the guard is not an Optimizer).
     @property
     def param_groups(self):
         return self.optimizer.param_groups
@@ -97,114 +103,195 @@ class FiniteGuard:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
+        self.report()
         return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
                 "skipped": self.skipped_steps}
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
-        self.skipped = None if not state["skipped"] else torch.tensor(state["skipped"])
-        self._logged = state["skipped"]
+        self.skipped = None  # made on the device of the next step's flag
+        self._skipped_before = self._logged = int(state["skipped"])
 
     @property
     def skipped_steps(self):
         """How many steps were skipped (reads the device counter: a sync)."""
-        return 0 if self.skipped is None else int(self.skipped)
+        return self._skipped_before + (0 if self.skipped is None else int(self.skipped))
+
+    def report(self):
+        """Warn about skips not reported yet (reads the counter: a sync). Called every
+        `log_every` steps and by state_dict; call it at the end of training."""
+        skipped = self.skipped_steps
+        if skipped > self._logged:
+            warnings.warn(f"nanfree.optim.FiniteGuard: {skipped - self._logged} more step(s) "
+                          f"skipped (non-finite loss or gradients); {skipped} of {self.steps} "
+                          "in all", stacklevel=2)
+            self._logged = skipped
+        return skipped
 
     def _params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]
                 if p.grad is not None]
 
+    @staticmethod
+    def _values(grad):
+        """The values of a gradient as a real strided tensor (sparse: its values)."""
+        if grad.is_sparse:
+            grad = grad.coalesce()._values()
+        return torch.view_as_real(grad) if grad.is_complex() else grad
+
     def _found(self, params, loss):
-        """A float flag [1] on the first parameter's device: 1 when the loss or a gradient
-        is non-finite. One fused check per device and dtype group, no sync."""
-        device = params[0].device if params else (loss.device if loss is not None else "cpu")
-        found = torch.zeros(1, device=device)
+        """A float32 flag [1]: 1 when the loss or a gradient is non-finite. On an
+        accelerator when any gradient is on one (a flag copied from the host to it
+        does not wait); one fused check per device and dtype, no sync."""
+        devices = [p.grad.device for p in params]
+        if isinstance(loss, torch.Tensor):
+            devices.append(loss.device)
+        device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
         groups = {}
         for p in params:
-            if p.grad.is_sparse:
-                grad = p.grad.coalesce()._values()
-            else:
-                grad = p.grad
+            grad = self._values(p.grad)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         one = {}
         for (dev, _), grads in groups.items():
-            flag = torch.zeros(1, device=dev)
-            scale = one.setdefault(dev, torch.ones(1, device=dev))
+            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            scale = one.setdefault(dev, torch.ones(1, dtype=torch.float32, device=dev))
             # GradScaler's kernel with scale 1: sets flag where a value is NaN or inf,
             # leaves the gradients as they are.
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
-            found = torch.maximum(found, flag.to(device, non_blocking=True))
-        if loss is not None:
-            bad = (~torch.isfinite(loss.detach())).any().to(device=device, dtype=found.dtype)
+            found = torch.maximum(found, flag.to(device, non_blocking=dev.type == "cpu"))
+        if isinstance(loss, torch.Tensor):
+            bad = (~torch.isfinite(loss.detach())).any().to(device=device, dtype=torch.float32)
             found = torch.maximum(found, bad.reshape(1))
+        elif loss is not None and not math.isfinite(float(loss)):  # a Python number: no sync
+            found.fill_(1.0)
         return found
 
     def _clip(self, params, found):
-        """Clip by the total norm; a non-finite norm (the step is skipped) leaves the
-        gradients unchanged instead of NaN or 0."""
-        grads = [p.grad for p in params if not p.grad.is_sparse]
-        if not grads:
+        """Clip by the total norm (per-gradient norms in float32, so a float16 norm
+        cannot overflow); where found is set (the step is skipped) the gradients
+        stay as they are instead of NaN or 0."""
+        by_device = {}
+        for p in params:
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+        norms = []
+        for grads in by_device.values():
+            dense = [g for g in grads if not g.is_sparse]
+            values = [self._values(g) for g in grads if g.is_sparse]
+            parts = dense + values
+            if parts:
+                norms += [n.to(found.device, non_blocking=n.device.type == "cpu") for n in
+                          torch._foreach_norm(parts, self.norm_type, dtype=torch.float32)]
+        if not norms:
             return
-        total = torch.nn.utils.get_total_norm(grads, self.norm_type, error_if_nonfinite=False)
-        coefficient = self.clip_norm / (total + 1e-6)
-        # 1 where the norm is within the bound or non-finite (inf / inf would be NaN).
-        coefficient = torch.where(torch.isfinite(total) & (coefficient < 1), coefficient, 1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        total = torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
+        coefficient = torch.clamp(self.clip_norm / (total + 1e-6), max=1.0)
+        coefficient = torch.where(found.reshape(()) > 0, 1.0, coefficient)
+        for device, grads in by_device.items():
+            factor = coefficient.to(device, non_blocking=device.type != "cpu"
+                                    or found.device.type == "cpu")
+            dense = [g for g in grads if not g.is_sparse]
+            if dense:
+                torch._foreach_mul_(dense, factor.to(dense[0].dtype)
+                                    if not dense[0].is_complex() else factor)
+            for g in grads:
+                if g.is_sparse:
+                    g.mul_(factor)
 
     def _native_found_inf(self):
         return getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
-    def _step_with_restore(self, found):
-        """Any optimizer: step, then put every changed tensor back where found is set."""
-        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
-        tensors += [v for s in self.optimizer.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.layout == torch.strided]
-        known = {id(t) for t in tensors}
-        saved = [t.detach().clone() for t in tensors]
-        self.optimizer.step()
+    def _first_state(self, params):
+        """Whether the step would create state for a parameter (its first step)."""
+        return any(len(self.optimizer.state.get(p, {})) == 0 for p in params)
+
+    def _call_step(self, closure):
+        # An optimizer whose step needs the closure (LBFGS) gets it.
+        if closure is not None and isinstance(self.optimizer, torch.optim.LBFGS):
+            return self.optimizer.step(closure)
+        return self.optimizer.step()
+
+    def _step_with_restore(self, found, closure):
+        """Any optimizer: step, then put every changed parameter and state entry back
+        where found is set (one flag per device; a flag read on another device than
+        its own, e.g. CPU step counters of a CUDA optimizer, is a copy that waits)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved_params = [p.detach().clone() for p in params]
+        saved_state = {(p, key): v.detach().clone() for p, st in self.optimizer.state.items()
+                       for key, v in st.items()
+                       if isinstance(v, torch.Tensor) and v.layout == torch.strided}
+        self._call_step(closure)
         keep = found.reshape(()).bool()
+        keeps = {}
+
+        def on(device):
+            if device not in keeps:
+                keeps[device] = keep.to(device)
+            return keeps[device]
+
         with torch.no_grad():
-            torch._foreach_copy_(tensors, [torch.where(keep.to(t.device), old, t)
-                                           for t, old in zip(tensors, saved)])
-            # State the step created (a first step's moments): zeroed where skipped,
-            # as if the step had not run (the optimizer treats zero moments as fresh).
-            for s in self.optimizer.state.values():
-                for v in s.values():
-                    if isinstance(v, torch.Tensor) and id(v) not in known:
-                        v.copy_(torch.where(keep.to(v.device), torch.zeros_like(v), v))
+            torch._foreach_copy_(params, [torch.where(on(t.device), old, t)
+                                          for t, old in zip(params, saved_params)])
+            for (p, key), old in saved_state.items():
+                now = self.optimizer.state[p][key]
+                merged = torch.where(on(now.device), old, now)
+                if now.shape == old.shape and now.dtype == old.dtype and not now.is_inference():
+                    now.copy_(merged)  # in place: the optimizer may hold it elsewhere
+                else:
+                    self.optimizer.state[p][key] = merged
 
     def step(self, closure=None, *, loss=None):
         """One guarded step. ``closure``: runs forward and backward and returns the
-        loss (as ``optimizer.step(closure)``); ``loss``: the loss already computed,
-        checked with the gradients. Returns the loss."""
-        rng = _rng_state() if closure is not None and self.locate else None
+        loss (as ``optimizer.step(closure)``); ``loss``: the loss already computed
+        (a tensor or a number), checked with the gradients. Returns the loss."""
+        rng = _rng_state() if closure is not None and self.locate and self.last_report is None \
+            else None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
-        found = self._found(params, loss if isinstance(loss, torch.Tensor) else None)
+        found = self._found(params, loss)
         if self.clip_norm is not None:
             self._clip(params, found)
-        if self._native_found_inf():
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = found.reshape(())
+        if self._first_state(params):
+            # The step would create state (a first step): a skipped one must create
+            # none (fused SGD's momentum buffer is allocated, not written, when it
+            # skips). One sync, on such steps only.
+            if not bool(found):
+                self._call_step(closure)
+        elif self._native_found_inf():
+            optimizer = self.optimizer
+            prior_found = getattr(optimizer, "found_inf", None)
+            prior_scale = getattr(optimizer, "grad_scale", None)
+            combined = found.reshape(()) if prior_found is None else torch.maximum(
+                found.reshape(()), prior_found.to(found.device, torch.float32).reshape(()))
+            optimizer.found_inf, optimizer.grad_scale = combined, prior_scale
             try:
-                self.optimizer.step()
+                self._call_step(closure)
             finally:
-                del self.optimizer.found_inf, self.optimizer.grad_scale
+                for name, prior in (("found_inf", prior_found), ("grad_scale", prior_scale)):
+                    if prior is None:
+                        if hasattr(optimizer, name):
+                            delattr(optimizer, name)
+                    else:
+                        setattr(optimizer, name, prior)
         else:
-            self._step_with_restore(found)
+            self._step_with_restore(found, closure)
         counted = found.to(torch.int64).reshape(())
         self.skipped = counted if self.skipped is None else self.skipped + counted.to(self.skipped.device)
         self.steps += 1
-        if self.locate and rng is not None and bool(found):  # one sync, only when locating
+        if rng is not None and bool(found):  # one sync, only while locating
             self._localize(closure, rng)
         if self.log_every and self.steps % self.log_every == 0:
-            self._log()
+            self.report()
         return loss
 
     def _localize(self, closure, rng):
+        """Runs the skipped step's closure again under detect_anomaly (the first
+        skipped step only). Its gradients are discarded (grads are None after it)
+        and its forward runs again (module buffers such as BatchNorm's running
+        statistics are updated a second time)."""
         state = _rng_state()
         _set_rng_state(rng)
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,7 +299,7 @@ class FiniteGuard:
             with detect_anomaly():
                 with torch.enable_grad():
                     closure()
-            self.last_report = None
+            self.last_report = False  # located once: not reproducible
             message = "the re-run under detect_anomaly produced no NaN or inf (not reproducible)"
         except NonFiniteError as error:
             self.last_report = error
@@ -222,11 +309,3 @@ class FiniteGuard:
             self.optimizer.zero_grad(set_to_none=True)
         warnings.warn(f"nanfree.optim.FiniteGuard: step {self.steps} skipped; {message}",
                       stacklevel=3)
-
-    def _log(self):
-        skipped = self.skipped_steps
-        if skipped > self._logged:
-            warnings.warn(f"nanfree.optim.FiniteGuard: {skipped - self._logged} of the last steps "
-                          f"skipped (non-finite loss or gradients); {skipped} of {self.steps} in all",
-                          stacklevel=3)
-            self._logged = skipped

@@ -249,3 +249,15 @@ def test_uninitialized_memory_is_not_a_result():
         for _ in range(20):
             torch.empty(1000).fill_(1.0)
             torch.empty_like(torch.ones(64, 64)).zero_()
+
+
+@independent
+def test_an_out_tensor_just_allocated_holds_nothing():
+    a = torch.full((1000,), 3e38)
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        e = torch.empty(1000)
+        e.fill_(float("nan"))  # written: now it holds a NaN (and fill_ made it)
+    assert info.value.op == "aten.fill_.Scalar" and not info.value.inherited
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        torch.mul(a, a, out=torch.empty(1000))  # overflow made here, whatever empty held
+    assert not info.value.inherited
