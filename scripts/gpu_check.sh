@@ -6,7 +6,8 @@
 #   memcheck.log   compute-sanitizer memcheck over every family's special-value table on CUDA
 #   racecheck.log  compute-sanitizer racecheck over every family's kernels once (scripts/gpu_checks.py --smoke)
 #   extra.log      CUDA graphs, compiled training steps and autocast dtypes (scripts/gpu_checks.py)
-# Logs go to the folder given as the first argument (default gpu-logs).
+# Logs go to the folder given as the first argument (default gpu-logs), and
+# into one archive beside it (<folder>.tar.gz).
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
 # (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build.
 set -uo pipefail
@@ -48,3 +49,5 @@ for log in cuda triton memcheck racecheck extra; do
     "$logs/$log.log" | head -25
   tail -2 "$logs/$log.log"
 done
+tar czf "$logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
+echo "archive: $logs.tar.gz"
