@@ -261,3 +261,11 @@ def test_an_out_tensor_just_allocated_holds_nothing():
     with pytest.raises(NonFiniteError) as info, detect_anomaly():
         torch.mul(a, a, out=torch.empty(1000))  # overflow made here, whatever empty held
     assert not info.value.inherited
+
+
+@independent
+def test_finite_values_whose_sum_overflows_are_not_reported():
+    with detect_anomaly():
+        big = torch.full((1000,), 3e38)  # finite; its sum is inf
+        (big * 0.5).neg()
+        torch.full((4096,), 60000.0, dtype=torch.float16) * 1.0
