@@ -133,19 +133,32 @@ def _tensors(tree):
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
+_SCHEMAS = {}  # op -> (its written arguments [(index, name, kwarg_only)], whether it only views)
+
+
+def _schema_facts(func):
+    """What the checks need of an op's schema, read once per op."""
+    facts = _SCHEMAS.get(func)
+    if facts is None:
+        try:
+            schema = func._schema
+            written = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write]
+            # Every output a view of an input (view, t, expand, detach, ...): its
+            # values were checked where they were made.
+            views = bool(schema.returns) and not written and all(
+                r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        except AttributeError:
+            written, views = [], False
+        facts = _SCHEMAS[func] = (written, views)
+    return facts
+
+
 def _written_arguments(func, args, kwargs):
     """The tensors an op writes in place (its schema's `(a!)` arguments)."""
     written = []
-    try:
-        arguments = func._schema.arguments
-    except AttributeError:
-        return written
-    for i, argument in enumerate(arguments):
-        info = argument.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
-        written += _tensors(value)
+    for i, name, kwarg_only in _schema_facts(func)[0]:
+        written += _tensors(args[i] if i < len(args) and not kwarg_only else kwargs.get(name))
     return written
 
 
@@ -290,6 +303,8 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _schema_facts(func)[1]:  # views only: nothing new to check
+            return func(*args, **kwargs)
         if func.overloadpacket in _UNINITIALIZED:
             # Memory not yet written (whatever bits it holds are not a result):
             # not checked, and not "held" by an op that writes it next.
