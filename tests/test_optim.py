@@ -37,6 +37,14 @@ def _grads(model, x):
     return loss
 
 
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(before, model):
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def _state_tensors(optimizer):
     return [v.clone() for s in optimizer.state.values() for v in s.values()
             if isinstance(v, torch.Tensor)]
@@ -52,10 +60,10 @@ def test_skips_exactly_the_non_finite_steps(name):
         _grads(guarded_model, x)
         if i in (0, 2):  # an inf gradient, first step included (state not made yet)
             guarded_model[0].weight.grad[0, 0] = float("inf")
-            before = [p.detach().clone() for p in guarded_model.parameters()]
+            before = _snapshot(guarded_model)
             state = _state_tensors(guard.optimizer)
             guard.step()
-            assert all(torch.equal(a, b) for a, b in zip(before, guarded_model.parameters()))
+            assert _unchanged(before, guarded_model)
             after = _state_tensors(guard.optimizer)
             assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after))
             continue
@@ -67,16 +75,18 @@ def test_skips_exactly_the_non_finite_steps(name):
     assert guard.skipped_steps == 2 and guard.steps == 4
 
 
-def test_nan_loss_skips_with_finite_gradients():
+@pytest.mark.parametrize("nan", [torch.tensor(float("nan")), float("nan")],
+                         ids=["tensor", "python-number"])
+def test_nan_loss_skips_with_finite_gradients(nan):
     model = _model()
     guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), log_every=0)
     _grads(model, torch.randn(5, 4))
-    before = [p.detach().clone() for p in model.parameters()]
-    guard.step(loss=torch.tensor(float("nan")))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    before = _snapshot(model)
+    guard.step(loss=nan)
+    assert _unchanged(before, model)
     assert guard.skipped_steps == 1
     guard.step(loss=torch.tensor(1.0))
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not _unchanged(before, model)
 
 
 def test_clipping_never_writes_nan_and_matches_clip_grad_norm():
@@ -131,10 +141,10 @@ def test_a_skipped_closure_step_is_located():
     guard.step(closure)
     assert guard.last_report is None and guard.skipped_steps == 0
     batch["c"] = torch.tensor(-1.0)
-    before = [p.detach().clone() for p in model.parameters()]
+    before = _snapshot(model)
     with pytest.warns(UserWarning, match="skipped; nanfree.debug.detect_anomaly: aten.log"):
         guard.step(closure)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert _unchanged(before, model)
     report = guard.last_report
     assert isinstance(report, NonFiniteError) and report.op == "aten.log"
     assert report.phase == "forward" and guard.skipped_steps == 1
@@ -156,16 +166,6 @@ def test_state_dict_round_trip():
     copied = FiniteGuard(torch.optim.Adam(copy.deepcopy(model).parameters()), log_every=0)
     copied.load_state_dict(guard.state_dict())
     assert copied.steps == 1 and copied.skipped_steps == 0
-
-
-def test_a_python_number_loss_is_checked():
-    model = _model()
-    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), log_every=0)
-    _grads(model, torch.randn(5, 4))
-    before = [p.detach().clone() for p in model.parameters()]
-    guard.step(loss=float("nan"))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert guard.skipped_steps == 1
 
 
 def test_clipping_a_float16_norm_that_overflows_and_sparse_gradients():
@@ -198,9 +198,9 @@ def test_float64_default_dtype_and_an_existing_found_inf():
         _grads(model, torch.randn(5, 4))
         # A found_inf set by someone else (a GradScaler) still skips the step.
         guard.optimizer.found_inf = torch.ones(())
-        before = [p.detach().clone() for p in model.parameters()]
+        before = _snapshot(model)
         guard.step()
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert _unchanged(before, model)
         assert guard.optimizer.found_inf.item() == 1.0  # left as it was
         del guard.optimizer.found_inf
     finally:
