@@ -18,10 +18,11 @@ the region runs, forward and backward, for NaN and for +-inf, and raises
 How: a ``TorchDispatchMode`` sees every aten op (the autograd engine carries it
 to the backward); a ``TorchFunctionMode`` stamps each autograd node made in the
 forward with the call, module path and line that made it; global module hooks
-keep the stack of modules being run. Each output is checked with one
-``isfinite`` reduction and a host sync per op: this version costs several
-times a plain step (docs/debug.md has the figures), which is what remains of
-issue 20's speed goal (device flags, per-op bookkeeping in C++).
+keep the stack of modules being run. Each output is checked by its sum (one
+reduction and one read; the exact ``isfinite`` only where the sum is not
+finite): this version costs about 3x a plain step (docs/debug.md has the
+figures), which is what remains of issue 20's speed goal (device flags,
+per-op bookkeeping in C++).
 
 Under ``torch.compile``, code inside the region runs eagerly
 (``torch.compiler.set_stance("force_eager")``), so that every op is seen; a
@@ -336,8 +337,8 @@ class _Checker(TorchDispatchMode):
         # Written arguments count as inputs by what they held before the op.
         bad_inputs = [t for t in inputs if (id(t) in held if id(t) in written_ids
                                             else self._bad(t))]
-        minus_inf_in = any(_checked(t) is not None and bool((_checked(t) == float("-inf")).any())
-                           for t in inputs if id(t) not in written_ids)
+        read = [_checked(t) for t in inputs if id(t) not in written_ids]
+        minus_inf_in = any(x is not None and bool((x == float("-inf")).any()) for x in read)
         if all(self._allowed(op, module, t, minus_inf_in) for t in offending):
             return out
         raise _error(op, phase, node, forward, module, location, inputs, outputs, offending,
@@ -345,8 +346,10 @@ class _Checker(TorchDispatchMode):
 
 
 def _error(op, phase, node, forward, module, location, inputs, outputs, offending, bad_inputs):
+    records = [dict(_stats(t), role=kind)
+               for kind, group in (("output", offending), ("input", bad_inputs)) for t in group]
     what = "NaN or inf" if any(
-        s["posinf"] or s["neginf"] for s in map(_stats, offending)) else "NaN"
+        r["posinf"] or r["neginf"] for r in records if r["role"] == "output") else "NaN"
     lines = [f"nanfree.debug.detect_anomaly: {op} produced {what} in the {phase}"]
     if node is not None:
         lines.append(f"  autograd node: {node.name()}"
@@ -355,15 +358,11 @@ def _error(op, phase, node, forward, module, location, inputs, outputs, offendin
     lines.append(f"  {'forward line' if node is not None else 'line'}: {_source(location)}")
     lines.append(f"  inputs: {', '.join(map(_describe, inputs)) or '(none)'}")
     lines.append(f"  outputs: {', '.join(map(_describe, outputs))}")
-    records = []
-    for kind, group in (("output", offending), ("input", bad_inputs)):
-        for t in group:
-            s = _stats(t)
-            records.append(dict(s, role=kind))
-            lines.append(
-                f"  {kind} {s['dtype']}{s['shape']}: {s['nan']} NaN, {s['posinf']} +inf, "
-                f"{s['neginf']} -inf, {s['zeros']} zeros, finite range "
-                f"[{s['finite_min']}, {s['finite_max']}]")
+    for r in records:
+        lines.append(
+            f"  {r['role']} {r['dtype']}{r['shape']}: {r['nan']} NaN, {r['posinf']} +inf, "
+            f"{r['neginf']} -inf, {r['zeros']} zeros, finite range "
+            f"[{r['finite_min']}, {r['finite_max']}]")
     if bad_inputs:
         lines.append("  an input already held a non-finite value: this op passed it on; it "
                      "entered the region from outside (data, parameters or earlier code)")
