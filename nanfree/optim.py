@@ -172,14 +172,12 @@ class FiniteGuard:
         """Clip by the total norm (per-gradient norms in float32, so a float16 norm
         cannot overflow); where found is set (the step is skipped) the gradients
         stay as they are instead of NaN or 0."""
-        by_device = {}
+        by_device = {}  # device -> (dense gradients, sparse gradients)
         for p in params:
-            by_device.setdefault(p.grad.device, []).append(p.grad)
+            by_device.setdefault(p.grad.device, ([], []))[p.grad.is_sparse].append(p.grad)
         norms = []
-        for grads in by_device.values():
-            dense = [g for g in grads if not g.is_sparse]
-            values = [self._values(g) for g in grads if g.is_sparse]
-            parts = dense + values
+        for dense, sparse in by_device.values():
+            parts = dense + [self._values(g) for g in sparse]
             if parts:
                 norms += [n.to(found.device, non_blocking=n.device.type == "cpu") for n in
                           torch._foreach_norm(parts, self.norm_type, dtype=torch.float32)]
@@ -188,16 +186,14 @@ class FiniteGuard:
         total = torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
         coefficient = torch.clamp(self.clip_norm / (total + 1e-6), max=1.0)
         coefficient = torch.where(found.reshape(()) > 0, 1.0, coefficient)
-        for device, grads in by_device.items():
+        for device, (dense, sparse) in by_device.items():
             factor = coefficient.to(device, non_blocking=device.type != "cpu"
                                     or found.device.type == "cpu")
-            dense = [g for g in grads if not g.is_sparse]
             if dense:
                 torch._foreach_mul_(dense, factor.to(dense[0].dtype)
                                     if not dense[0].is_complex() else factor)
-            for g in grads:
-                if g.is_sparse:
-                    g.mul_(factor)
+            for g in sparse:
+                g.mul_(factor)
 
     def _native_found_inf(self):
         return getattr(self.optimizer, "_step_supports_amp_scaling", False)
