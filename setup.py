@@ -190,10 +190,14 @@ def _cuda_extension():
 
 # The emulated CUDA builds: variant -> extra compiler and linker flags.
 EMULATION_VARIANTS = {
-    "plain": ([], []),
+    # The cosine family's warp-per-row forwards for every row count (the GPU
+    # build takes them from 4096 rows, beyond the tests' shapes).
+    "plain": (["-DNANFREE_CUDA_WARP_ROWS_MIN=1"], []),
     # Every launch gets at most 3 blocks, so every grid-stride loop iterates,
-    # and the MNR driver's chunks hold 1024 cosines, so that its row loop does.
-    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3", "-DNANFREE_MNR_CHUNK_ENTRIES=1024"], []),
+    # and the MNR driver's chunks hold 1024 cosines, so that its row loop does;
+    # the warp-per-row forwards from 64 rows (fewer take the group kernels).
+    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3", "-DNANFREE_MNR_CHUNK_ENTRIES=1024",
+                     "-DNANFREE_CUDA_WARP_ROWS_MIN=64"], []),
     # AddressSanitizer and UndefinedBehaviorSanitizer (misaligned vector
     # accesses included); loading it needs libasan preloaded (scripts/test.sh).
     "sanitized": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",

@@ -9,7 +9,9 @@
 # Logs go to the folder given as the first argument (default gpu-logs), and
 # into one archive beside it (<folder>.tar.gz).
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
-# (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build.
+# (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build,
+# CHECKS (the logs to make, default "cuda triton memcheck racecheck extra"),
+# CUDA_WORKERS and TRITON_WORKERS (pytest-xdist workers of the two passes, 4 and 9).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${1:-gpu-logs}"
@@ -33,17 +35,21 @@ python3 -c "import nanfree, json; print(json.dumps(nanfree.backend_info()['ops']
 # SIGINT at the limit: pytest still prints its summary of the failures so far.
 # Compiling Triton's kernels dominates its pass (about 43% of it in 140 s on 9 workers).
 pytest=(python3 -m pytest -q -p no:cacheprovider -rfE --tb=line)
-timeout -s INT -k 10 "$limit" "${pytest[@]}" -n 4 tests >"$logs/cuda.log" 2>&1 &
-NANFREE_BACKEND=triton timeout -s INT -k 10 "$limit" "${pytest[@]}" -n 9 -m "not backend_independent" \
-  tests >"$logs/triton.log" 2>&1 &
-timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 "${pytest[@]}" -k cuda \
-  tests/test_*_special_values.py >"$logs/memcheck.log" 2>&1 &
-timeout "$limit" compute-sanitizer --tool racecheck --error-exitcode 9 \
+checks=" ${CHECKS:-cuda triton memcheck racecheck extra} "
+selected() { [[ "$checks" == *" $1 "* ]]; }
+selected cuda && timeout -s INT -k 10 "$limit" "${pytest[@]}" -n "${CUDA_WORKERS:-4}" tests \
+  >"$logs/cuda.log" 2>&1 &
+selected triton && NANFREE_BACKEND=triton timeout -s INT -k 10 "$limit" "${pytest[@]}" \
+  -n "${TRITON_WORKERS:-9}" -m "not backend_independent" tests >"$logs/triton.log" 2>&1 &
+selected memcheck && timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "${pytest[@]}" -k cuda tests/test_*_special_values.py >"$logs/memcheck.log" 2>&1 &
+selected racecheck && timeout "$limit" compute-sanitizer --tool racecheck --error-exitcode 9 \
   python3 scripts/gpu_checks.py --smoke >"$logs/racecheck.log" 2>&1 &
-timeout "$limit" python3 scripts/gpu_checks.py >"$logs/extra.log" 2>&1 &
+selected extra && timeout "$limit" python3 scripts/gpu_checks.py >"$logs/extra.log" 2>&1 &
 wait
 echo "checks done at $((SECONDS - start)) s"
 for log in cuda triton memcheck racecheck extra; do
+  selected "$log" || continue
   echo "=== $log"
   grep -E "^(FAILED|ERROR)|^FAIL |passed|failed|ERROR SUMMARY|Hazard|Invalid|RACECHECK SUMMARY|smoke:" \
     "$logs/$log.log" | head -25

@@ -3,7 +3,8 @@
 # of scripts/gpu_profile.py (the rows below their bandwidth target), one text
 # report per case with what limits each kernel: DRAM throughput and
 # bandwidth (SpeedOfLight, MemoryWorkloadAnalysis), achieved occupancy and
-# waves (Occupancy, LaunchStats). Reports go to the folder given first
+# waves (Occupancy, LaunchStats), issue-slot use and the warps' stall reasons
+# (ComputeWorkloadAnalysis, WarpStateStats). Reports go to the folder given first
 # (default gpu-profiles), then into one archive beside it (the device returns
 # a few files only). Further arguments: the cases (default: all).
 set -uo pipefail
@@ -18,9 +19,9 @@ for case in "${cases[@]}"; do
   echo "=== $case"
   timeout "${CASE_SECONDS:-120}" ncu --clock-control none --profile-from-start off \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section LaunchStats python3 scripts/gpu_profile.py "$case" >"$out/$case.txt" 2>&1
-  grep -E "^  [a-zA-Z_].*\(|DRAM Throughput|Memory Throughput|Achieved Occupancy|Waves Per SM|Duration" \
-    "$out/$case.txt" | head -40
+    --section LaunchStats --section ComputeWorkloadAnalysis --section WarpStateStats python3 scripts/gpu_profile.py "$case" >"$out/$case.txt" 2>&1
+  grep -E "^  [a-zA-Z_].*\(|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Waves Per SM|Duration|Issue Slots Busy|Warp Cycles Per Issued" \
+    "$out/$case.txt" | head -60
 done
 tar czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 echo "archive: $out.tar.gz"

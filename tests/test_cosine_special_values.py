@@ -311,3 +311,54 @@ def test_vectors_at_every_alignment(offset, dtype, device):
         results.append((n, c, s, *grads))
     for ours, aligned in zip(*results):
         torch.testing.assert_close(ours, aligned)
+
+
+MANY_ROWS = 4160  # past the 4096 rows from which the CUDA build gives each row one warp
+MANY_D = 264  # 33 16-byte vectors of bfloat16 (more than a warp's 32 lanes), 66 of float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_table_among_many_rows(dtype, device):
+    """Every case of the table, its vectors repeated to MANY_D entries, as the
+    rows of one large batch (row r holds case r % cases): each row gets the
+    oracle's value, the same bits as every other row of its case, and, for
+    the first row of each case, the oracle's gradients."""
+    cases = [(a, b, eps) for a, b, eps in _cases(dtype).values() if a]
+    rows = len(cases) * 3 if INTERPRETED else MANY_ROWS  # the interpreter takes long per row
+
+    def long(v):
+        return (v * (MANY_D // len(v) + 1))[:MANY_D]
+
+    eps = 1e-8  # one eps for the batch: the cases' own eps rules are the table's
+    a_rows = [long(cases[r % len(cases)][0]) for r in range(rows)]
+    b_rows = [long(cases[r % len(cases)][1]) for r in range(rows)]
+    xa = torch.tensor(a_rows, dtype=torch.float64).to(dtype)
+    xb = torch.tensor(b_rows, dtype=torch.float64).to(dtype)
+    held_a, held_b = xa[: len(cases)].double().tolist(), xb[: len(cases)].double().tolist()
+    a = xa.to(device).requires_grad_(True)
+    b = xb.to(device).requires_grad_(True)
+    c = nf.cosine_similarity(a, b, dim=1, eps=eps)
+    n = nf.normalize(a, dim=1, eps=eps)
+    index = torch.arange(rows) % len(cases)
+    # Same case, same bits (NaN included), wherever the row sits in the batch.
+    for out in (c.detach().cpu(), n.detach().cpu()):
+        first = out[index]
+        assert torch.equal(out.isnan(), first.isnan())
+        assert torch.equal(out.nan_to_num(), first.nan_to_num())
+    want_c = torch.tensor([cosine(ra, rb, eps) for ra, rb in zip(held_a, held_b)],
+                          dtype=torch.float64)
+    torch.testing.assert_close(c.detach().cpu().double()[: len(cases)], want_c.to(dtype).double(),
+                               equal_nan=True, **TOL[dtype])
+    want_n = torch.tensor([normalize(ra, eps) for ra in held_a], dtype=torch.float64)
+    torch.testing.assert_close(n.detach().cpu().double()[: len(cases)], want_n.to(dtype).double(),
+                               equal_nan=True, **TOL[dtype])
+    g_c = torch.full((rows,), 0.75, dtype=dtype, device=device)
+    (da,) = torch.autograd.grad(c, a, g_c)
+    for r, (ra, rb) in enumerate(zip(held_a, held_b)):
+        want_a, _ = cosine_grads(ra, rb, eps, 0.75)
+        if _has_nan(ra) or _has_nan(rb):
+            assert torch.isnan(da[r]).all()
+            continue
+        assert torch.isfinite(da[r]).all()
+        torch.testing.assert_close(da[r].cpu().double(), torch.tensor(want_a, dtype=torch.float64),
+                                   **_grad_tol(dtype, _inverse_norm(ra, eps)))

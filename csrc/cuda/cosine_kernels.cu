@@ -16,6 +16,9 @@
 // group reads consecutive 16-byte pieces. Rows of up to 32 vectors get the
 // smallest group that covers them (several rows per warp for short rows,
 // e.g. a 128-float row takes one warp and a 64-float row half of one).
+// The forwards of many (4096 and more) longer rows (33 to 2048 vectors) take
+// the warp-per-row kernels below instead: one pass of unscaled sums, with the
+// scaled passes only for the rows the rules need them for.
 //
 // Caching. When the row fits (kIters vectors per thread; 32 float or 16
 // double accumulators per thread in all, shared by the cached operands, and
@@ -105,13 +108,14 @@ __device__ __forceinline__ acc_t vector_amax(acc_t amax, const acc_t (&x)[kVec])
   return amax;
 }
 
-// sum(scaled_entry(x, p)^2) over one vector, added to `ssq`.
+// sum(scaled_entry(x, p)^2) over one vector, added to `ssq` (one rounding
+// per term: multiply_add, as the warp kernels' unscaled sums).
 template <int kVec, typename acc_t>
 __device__ __forceinline__ acc_t vector_ssq(acc_t ssq, const acc_t (&x)[kVec], acc_t p) {
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     const acc_t s = scaled_entry(x[i], p);
-    ssq += s * s;
+    ssq = multiply_add(s, s, ssq);
   }
   return ssq;
 }
@@ -125,9 +129,9 @@ __device__ __forceinline__ void pair_sums(acc_t (&sums)[3], const acc_t (&a)[kVe
   for (int i = 0; i < kVec; ++i) {
     const acc_t s1 = scaled_entry(a[i], p1);
     const acc_t s2 = scaled_entry(b[i], p2);
-    sums[0] += s1 * s1;
-    sums[1] += s2 * s2;
-    sums[2] += s1 * s2;
+    sums[0] = multiply_add(s1, s1, sums[0]);
+    sums[1] = multiply_add(s2, s2, sums[1]);
+    sums[2] = multiply_add(s1, s2, sums[2]);
   }
 }
 
@@ -310,6 +314,24 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------
 // cosine_similarity forward.
 
+// A row's similarity and its statistics (p1, q1, grad_factor1, p2, q2,
+// grad_factor2) from its scales and scaled sums (ssq1, ssq2, dot).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void write_similarity(scalar_t* output, acc_t* stats, int64_t row,
+                                                 acc_t p1, acc_t p2, const acc_t (&sums)[3],
+                                                 acc_t eps) {
+  const acc_t q1 = clamped_norm_factor(p1, sums[0], eps);
+  const acc_t q2 = clamped_norm_factor(p2, sums[1], eps);
+  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], q1, q2));
+  acc_t* st = stats + 6 * row;
+  st[0] = p1;
+  st[1] = q1;
+  st[2] = norm_grad_factor(p1, sums[0], eps);
+  st[3] = p2;
+  st[4] = q2;
+  st[5] = norm_grad_factor(p2, sums[1], eps);
+}
+
 template <typename scalar_t, int kVec, int kIters>
 __global__ void __launch_bounds__(kMaxThreads)
     cosine_forward_kernel(const scalar_t* __restrict__ x1, const scalar_t* __restrict__ x2,
@@ -370,18 +392,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     group_reduce(sums, G, partial, SumOp{});
 
-    if (active && t == 0) {
-      const acc_t q1 = clamped_norm_factor(p1, sums[0], eps);
-      const acc_t q2 = clamped_norm_factor(p2, sums[1], eps);
-      output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], q1, q2));
-      acc_t* st = stats + 6 * row;
-      st[0] = p1;
-      st[1] = q1;
-      st[2] = norm_grad_factor(p1, sums[0], eps);
-      st[3] = p2;
-      st[4] = q2;
-      st[5] = norm_grad_factor(p2, sums[1], eps);
-    }
+    if (active && t == 0) write_similarity(output, stats, row, p1, p2, sums, eps);
   }
 }
 
@@ -430,6 +441,186 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ---------------------------------------------------------------------------
+// Warp-per-row forwards (many rows of more than 32 vectors). A warp reads its
+// row once, taking each vector's largest magnitude (as magnitude_bits) and
+// the unscaled sums at the same time. When unscaled_sums_exact holds for the
+// row's vectors (the usual case), the scaled sums are those times p^2 (p1 *
+// p2 for the dot product), exactly; otherwise (NaN, infinite, zero, tiny or
+// huge vectors) the row is read again and its scaled entries summed, as in
+// the group kernels. After the butterfly every lane holds the row's totals,
+// so the branch is uniform over the warp and no block-wide sync is needed.
+// Against the group kernels: one reduction instead of two, no scaled_entry
+// per element, and a row's fixed costs (its scales, factors, statistics)
+// spread over a warp's 32 lanes only; those kernels were bound by issued
+// instructions, not by memory (Nsight Compute, H200: 81-85% of issue slots
+// busy at 31-42% of DRAM bandwidth).
+
+constexpr int kWarpRowThreads = 256;
+
+// A warp's rows: the first, then every `stride`-th (the grid's warp count).
+// A row is the same for the whole warp, so every lane runs every iteration
+// and the warp's shuffles see all 32 lanes.
+struct WarpRows {
+  int lane;
+  int64_t first;
+  int64_t stride;
+};
+
+__device__ __forceinline__ WarpRows warp_rows_of_thread() {
+  const int64_t warps_per_block = blockDim.x / kWarp;
+  return WarpRows{static_cast<int>(threadIdx.x % kWarp),
+                  static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarp,
+                  static_cast<int64_t>(gridDim.x) * warps_per_block};
+}
+
+// The unscaled sums of one vector of x1 and x2 and their largest magnitudes.
+template <int kVec, typename acc_t, typename bits_t>
+__device__ __forceinline__ void unscaled_pair_sums(acc_t (&sums)[3], bits_t (&amax)[2],
+                                                   const acc_t (&a)[kVec],
+                                                   const acc_t (&b)[kVec]) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    amax[0] = MaxOp{}(amax[0], magnitude_bits(a[i]));
+    amax[1] = MaxOp{}(amax[1], magnitude_bits(b[i]));
+    sums[0] = multiply_add(a[i], a[i], sums[0]);
+    sums[1] = multiply_add(b[i], b[i], sums[1]);
+    sums[2] = multiply_add(a[i], b[i], sums[2]);
+  }
+}
+
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kWarpRowThreads)
+    cosine_forward_warp_kernel(const scalar_t* __restrict__ x1, const scalar_t* __restrict__ x2,
+                               scalar_t* __restrict__ output,
+                               acc_of_t<scalar_t>* __restrict__ stats, int64_t rows, int64_t d,
+                               acc_of_t<scalar_t> eps) {
+  using acc_t = acc_of_t<scalar_t>;
+  using bits_t = magnitude_bits_t<acc_t>;
+  const WarpRows w = warp_rows_of_thread();
+  const int lane = w.lane;
+  const int64_t nvec = d / kVec;
+  for (int64_t row = w.first; row < rows; row += w.stride) {
+    const scalar_t* a_row = x1 + row * d;
+    const scalar_t* b_row = x2 + row * d;
+    acc_t sums[3] = {acc_t(0), acc_t(0), acc_t(0)};
+    bits_t amax_bits[2] = {0, 0};
+#pragma unroll 4
+    for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+      acc_t a[kVec], b[kVec];
+      load_acc<kVec>(a_row + vi * kVec, a);
+      load_acc<kVec>(b_row + vi * kVec, b);
+      unscaled_pair_sums(sums, amax_bits, a, b);
+    }
+    group_reduce(amax_bits, kWarp, static_cast<bits_t*>(nullptr), MaxOp{});
+    group_reduce(sums, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
+    const acc_t amax1 = magnitude_from_bits(amax_bits[0]);
+    const acc_t amax2 = magnitude_from_bits(amax_bits[1]);
+    const acc_t p1 = norm_scale(amax1);
+    const acc_t p2 = norm_scale(amax2);
+    if (unscaled_sums_exact(amax1) && unscaled_sums_exact(amax2)) {
+      sums[0] *= p1 * p1;
+      sums[1] *= p2 * p2;
+      sums[2] *= p1 * p2;
+    } else {  // the rules' vectors: the scaled sums (scaled_entry), read again
+      sums[0] = sums[1] = sums[2] = acc_t(0);
+      for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+        acc_t a[kVec], b[kVec];
+        load_acc<kVec>(a_row + vi * kVec, a);
+        load_acc<kVec>(b_row + vi * kVec, b);
+        pair_sums(sums, a, b, p1, p2);
+      }
+      group_reduce(sums, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
+    }
+    if (lane == 0) write_similarity(output, stats, row, p1, p2, sums, eps);
+  }
+}
+
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kWarpRowThreads)
+    normalize_forward_warp_kernel(const scalar_t* __restrict__ input,
+                                  scalar_t* __restrict__ output,
+                                  acc_of_t<scalar_t>* __restrict__ stats, int64_t rows, int64_t d,
+                                  acc_of_t<scalar_t> eps) {
+  using acc_t = acc_of_t<scalar_t>;
+  using bits_t = magnitude_bits_t<acc_t>;
+  const WarpRows w = warp_rows_of_thread();
+  const int lane = w.lane;
+  const int64_t nvec = d / kVec;
+  for (int64_t row = w.first; row < rows; row += w.stride) {
+    const scalar_t* x_row = input + row * d;
+    acc_t ssq[1] = {acc_t(0)};
+    bits_t amax_bits[1] = {0};
+#pragma unroll 4
+    for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+      acc_t x[kVec];
+      load_acc<kVec>(x_row + vi * kVec, x);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        amax_bits[0] = MaxOp{}(amax_bits[0], magnitude_bits(x[i]));
+        ssq[0] = multiply_add(x[i], x[i], ssq[0]);
+      }
+    }
+    group_reduce(amax_bits, kWarp, static_cast<bits_t*>(nullptr), MaxOp{});
+    group_reduce(ssq, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
+    const acc_t amax = magnitude_from_bits(amax_bits[0]);
+    const acc_t p = norm_scale(amax);
+    const bool exact = unscaled_sums_exact(amax);
+    if (exact) {
+      ssq[0] *= p * p;
+    } else {  // the rules' vectors: the scaled sum (scaled_entry), read again
+      ssq[0] = acc_t(0);
+      for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+        acc_t x[kVec];
+        load_acc<kVec>(x_row + vi * kVec, x);
+        ssq[0] = vector_ssq(ssq[0], x, p);
+      }
+      group_reduce(ssq, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
+    }
+    const acc_t q = clamped_norm_factor(p, ssq[0], eps);
+    if (lane == 0) {
+      stats[2 * row] = p;
+      stats[2 * row + 1] = norm_grad_factor(p, ssq[0], eps);
+    }
+    // The row again (from cache: the warp has just read it).
+    scalar_t* y_row = output + row * d;
+    if (exact) {
+      // scaled_entry(x, p) == x * p for these vectors (p is finite and nonzero).
+#pragma unroll 4
+      for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+        acc_t x[kVec];
+        load_acc<kVec>(x_row + vi * kVec, x);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) x[i] = (x[i] * p) * q;
+        store_acc<kVec>(y_row + vi * kVec, x);
+      }
+    } else {
+      for (int64_t vi = lane; vi < nvec; vi += kWarp) {
+        acc_t x[kVec];
+        load_acc<kVec>(x_row + vi * kVec, x);
+        store_normalized(y_row, vi, x, p, q);
+      }
+    }
+  }
+}
+
+// Whether the warp-per-row forwards take a problem: rows of more than a
+// warp's vectors (shorter rows share a warp in the group kernels), up to 64
+// vectors per lane (longer rows want more threads per row), and enough rows
+// to give every SM many warps. The emulated test builds lower the row count,
+// so that both kernels run under the suite.
+#ifndef NANFREE_CUDA_WARP_ROWS_MIN
+#define NANFREE_CUDA_WARP_ROWS_MIN 4096
+#endif
+inline bool warp_rows(int64_t rows, int64_t nvec) {
+  return nvec > kWarp && nvec <= 64 * kWarp && rows >= NANFREE_CUDA_WARP_ROWS_MIN;
+}
+
+inline int warp_row_blocks(int64_t rows) {
+  const int64_t blocks = ceil_div(rows, kWarpRowThreads / kWarp);
+  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// ---------------------------------------------------------------------------
 // cos_sim_matrix: cosine_clamp of each element, in place (NaN stays NaN).
 
 template <typename scalar_t, int kVec>
@@ -465,6 +656,15 @@ cudaError_t normalize_forward(const scalar_t* input, scalar_t* output, acc_of_t<
   if (rows <= 0 || d < 0) return cudaSuccess;
   const acc_t eps_acc = effective_eps(static_cast<acc_t>(eps));
   const bool vec = d % vec_width<scalar_t>() == 0 && aligned16(input) && aligned16(output);
+  if (warp_rows(rows, d / (vec ? vec_width<scalar_t>() : 1))) {
+    return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
+      constexpr int kVec = decltype(vec_c)::value;
+      normalize_forward_warp_kernel<scalar_t, kVec>
+          <<<warp_row_blocks(rows), kWarpRowThreads, 0, stream>>>(input, output, stats, rows, d,
+                                                                 eps_acc);
+      return cudaGetLastError();
+    });
+  }
   const Plan p = reduction_plan<scalar_t>(rows, d, vec, cached_iters<scalar_t>(Cached::NormalizeForward, vec ? vec_width<scalar_t>() : 1));
   return dispatch_vec<scalar_t>(p.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;
@@ -507,6 +707,15 @@ cudaError_t cosine_forward(const scalar_t* x1, const scalar_t* x2, scalar_t* out
   if (rows <= 0 || d < 0) return cudaSuccess;
   const acc_t eps_acc = effective_eps(static_cast<acc_t>(eps));
   const bool vec = d % vec_width<scalar_t>() == 0 && aligned16(x1) && aligned16(x2);
+  if (warp_rows(rows, d / (vec ? vec_width<scalar_t>() : 1))) {
+    return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
+      constexpr int kVec = decltype(vec_c)::value;
+      cosine_forward_warp_kernel<scalar_t, kVec>
+          <<<warp_row_blocks(rows), kWarpRowThreads, 0, stream>>>(x1, x2, output, stats, rows, d,
+                                                                 eps_acc);
+      return cudaGetLastError();
+    });
+  }
   const Plan p = reduction_plan<scalar_t>(rows, d, vec, cached_iters<scalar_t>(Cached::TwoOperands, vec ? vec_width<scalar_t>() : 1));
   return dispatch_vec<scalar_t>(p.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;

@@ -56,6 +56,19 @@ NF_HOST_DEVICE T scaled_entry(T x, T p) {
   return x * p;
 }
 
+// Whether a vector's sums of squares and products may be taken unscaled and
+// scaled afterwards (a kernel's one-pass fast path): for a largest magnitude
+// in [2^-40, 2^40] no square or product of its entries overflows, so
+// sum(x^2) * p^2 (p^2 a power of two: exact) is the sum of the scaled
+// squares with the same roundings, except for products below 2^-126 (under
+// 2^-46 of the largest square, rounded to a multiple of 2^-149 instead of
+// relatively), which can move the rounded sum only at an exact tie. False for
+// NaN, infinite, zero and extreme vectors: they take the scaled sums.
+template <typename T>
+NF_HOST_DEVICE bool unscaled_sums_exact(T amax) {
+  return amax >= T(0x1p-40) && amax <= T(0x1p40);  // false for NaN
+}
+
 // Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
 // nonzero vector: compared as sqrt(ssq) >= eps * p. When eps * p overflows to
 // +inf the vector is tiny next to eps: false, as it should be.
