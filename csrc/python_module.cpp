@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "nanfree's operator schemas, autograd, autocast and fast Python entry points";
   nanfree::bind_softmax(m);
   nanfree::bind_cosine(m);
+  nanfree::bind_debug(m);
 }

@@ -30,6 +30,7 @@ warning says so once.
 """
 
 import contextlib
+import functools
 import linecache
 import math
 import os
@@ -39,6 +40,11 @@ import warnings
 import weakref
 
 import torch
+
+try:  # the per-op check of CPU tensors in C++; without the extension, the sum-first check
+    from nanfree._C import any_nonfinite as _any_nonfinite
+except ImportError:
+    _any_nonfinite = None
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,9 +71,11 @@ class NonFiniteError(RuntimeError):
             setattr(self, key, value)
 
 
+@functools.lru_cache(maxsize=4096)
 def _internal(filename):
     """Whether a frame's file is torch's, nanfree's or the standard library's
-    (whose folder may hold site-packages: the libraries there are the user's)."""
+    (whose folder may hold site-packages: the libraries there are the user's).
+    Cached: the stamps of a step ask about the same few files per op."""
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
@@ -174,6 +182,7 @@ class _ModuleStack:
     def __init__(self):
         self.stack = []
         self.names = weakref.WeakKeyDictionary()
+        self.below = weakref.WeakKeyDictionary()  # parent -> _descendants(parent)
         self.handles = []
 
     def __enter__(self):
@@ -194,11 +203,26 @@ class _ModuleStack:
             if self.stack:
                 parent_name, parent = self.stack[-1]
                 # A descendant, not only a child: containers (ModuleList) are not run.
-                child = next((n for n, m in parent.named_modules() if m is module and n), child)
+                child = self._descendants(parent).get(module, child)
                 name = f"{parent_name}.{child}" if parent_name else child
             else:
                 name = child
+            # Kept for the region: a module run again (every step of a loop)
+            # is not searched for again; one reached from two parents keeps
+            # the path it was first run under.
+            self.names[module] = name
         self.stack.append((name, module))
+
+    def _descendants(self, parent):
+        """{module: its path below parent}, one walk of parent's tree per region."""
+        found = self.below.get(parent)
+        if found is None:
+            found = weakref.WeakKeyDictionary()
+            for n, m in parent.named_modules():
+                if n and m not in found:
+                    found[m] = n
+            self.below[parent] = found
+        return found
 
     def _leave(self, module, args, output):
         if self.stack and self.stack[-1][1] is module:
@@ -264,11 +288,18 @@ class _Checker(TorchDispatchMode):
         self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
 
     def _nonfinite(self, tensors):
-        """Whether any of the tensors may hold NaN or +-inf: the sum of a tensor
-        is finite when all its entries are (a NaN or an inf makes it NaN or inf;
-        finite entries whose sum overflows only send the op to the exact check).
-        One reduction and one read per tensor, no allocation of its size: about
-        20x cheaper on the CPU than isfinite().any(), a composite of several ops."""
+        """Whether any of the tensors may hold NaN or +-inf. Contiguous CPU
+        tensors: the exact answer of one C++ call for all of them
+        (nanfree._C.any_nonfinite, the region's NaN-or-inf or NaN-only rule).
+        Others: the sum of a tensor is finite when all its entries are (a NaN or
+        an inf makes it NaN or inf; finite entries whose sum overflows only send
+        the op to the exact check). One reduction and one read per tensor, no
+        allocation of its size: about 20x cheaper on the CPU than
+        isfinite().any(), a composite of several ops."""
+        if _any_nonfinite is not None:
+            found = _any_nonfinite(tensors, self.check_inf)
+            if found >= 0:  # -1: a tensor the C++ scan does not read
+                return bool(found)
         for t in tensors:
             x = _checked(t)
             if x is None:
@@ -282,6 +313,10 @@ class _Checker(TorchDispatchMode):
 
     def _bad(self, t):
         """Whether t holds what the region reports: NaN or +-inf, or NaN only."""
+        if _any_nonfinite is not None:
+            found = _any_nonfinite([t], self.check_inf)
+            if found >= 0:
+                return bool(found)
         if not self._nonfinite([t]):
             return False
         x = _checked(t)  # the exact check: a sum may also overflow from finite entries

@@ -269,3 +269,44 @@ def test_finite_values_whose_sum_overflows_are_not_reported():
         big = torch.full((1000,), 3e38)  # finite; its sum is inf
         (big * 0.5).neg()
         torch.full((4096,), 60000.0, dtype=torch.float16) * 1.0
+
+
+# --- the C++ scan of CPU tensors (nanfree._C.any_nonfinite) -------------------------
+
+
+@independent
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+                         ids=str)
+def test_cpu_scan_reports_exactly_what_the_region_checks(dtype):
+    from nanfree._C import any_nonfinite
+
+    info = torch.finfo(dtype)
+    inf, nan = float("inf"), float("nan")
+    cases = [(nan, True, 1), (nan, False, 1), (inf, True, 1), (inf, False, 0), (-inf, True, 1),
+             (-inf, False, 0), (info.max, True, 0), (-info.max, True, 0), (info.tiny / 2, True, 0),
+             (-0.0, True, 0)]
+    for value, check_inf, want in cases:
+        for where in (0, 4095, 4096, 9999):  # both sides of the scan's block edge
+            t = torch.zeros(10000, dtype=dtype)
+            t[where] = value
+            assert any_nonfinite([t], check_inf) == want, (value, check_inf, where)
+    # A later tensor of the list counts; integer and empty tensors hold nothing.
+    bad = torch.tensor([nan], dtype=dtype)
+    assert any_nonfinite([torch.ones(3, dtype=dtype), torch.arange(3), torch.empty(0), bad],
+                         True) == 1
+    # Left to the caller: non-contiguous, larger than the scan takes.
+    assert any_nonfinite([torch.zeros(10, dtype=dtype)[::2]], True) == -1
+    assert any_nonfinite([torch.zeros(2**18 + 1, dtype=dtype)], True) == -1
+
+
+@independent
+@pytest.mark.parametrize("shape", ["large", "strided"])
+def test_outputs_the_scan_leaves_are_still_checked(shape):
+    # A NaN in an output the C++ scan does not read (past its size, or not
+    # contiguous) is found by the other check.
+    x = torch.ones(2**18 + 8) if shape == "large" else torch.ones(64, 64).t()
+    x[..., 3] = -1.0
+    with pytest.raises(NonFiniteError) as info, detect_anomaly():
+        y = torch.sqrt(x) if shape == "large" else torch.sqrt(x).t().t()
+        del y
+    assert "aten.sqrt" in str(info.value)
