@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> gem_in_float32(const at::Tensor& input,
 
 template <c10::DispatchKey key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_in_float32(
-    const at::Tensor& queries, const at::Tensor& docs, const std::optional<at::Tensor>& scale,
+    const at::Tensor& queries, at::TensorList docs, const std::optional<at::Tensor>& scale,
     double scale_value, int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions,
     bool per_direction, int64_t hardness_mode, double hardness_strength, int64_t reduction,
     bool grad) {
@@ -89,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_
 
 template <c10::DispatchKey key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mnr_loss_backward_in_float32(
-    const at::Tensor& grad_loss, const at::Tensor& queries, const at::Tensor& docs,
+    const at::Tensor& grad_loss, const at::Tensor& queries, at::TensorList docs,
     const std::optional<at::Tensor>& scale, double scale_value, const at::Tensor& stats,
     int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions, bool per_direction,
     int64_t hardness_mode, double hardness_strength, int64_t reduction) {

@@ -58,8 +58,10 @@ TORCH_LIBRARY(nanfree, m) {
       "float eps, Tensor? mask, bool p_grad) -> (Tensor, Tensor)");
 
   // Multiple negatives ranking (InfoNCE) loss of row-normalized `queries`
-  // [R, d] and `docs` [M, d] (one floating dtype; mnr_math.h gives the
-  // layout and every rule). Local rows g in [offset, offset + rows) are
+  // [R, d] and documents `docs` (one floating dtype; mnr_math.h gives the
+  // layout and every rule): a list of blocks read in place, each [n, d] (its
+  // n rows, in order) or [R', k, d] (k blocks of R' rows, block j = [:, j]),
+  // M docs in all; the gradient of the docs is one [M, d] tensor in that order. Local rows g in [offset, offset + rows) are
   // scored; `directions` is a bit set (1 query_to_doc, always; 2
   // query_to_query; 4 doc_to_query; 8 doc_to_doc); hardness_mode 0 none, 1
   // in_batch_negatives, 2 hard_negatives, 3 all_negatives; reduction 0 none
@@ -74,7 +76,7 @@ TORCH_LIBRARY(nanfree, m) {
   // dtype and, for a tensor scale, a 0-d accumulation-dtype scale gradient;
   // else empty [0] tensors.
   m.def(
-      "mnr_loss(Tensor queries, Tensor docs, Tensor? scale, float scale_value, int offset, "
+      "mnr_loss(Tensor queries, Tensor[] docs, Tensor? scale, float scale_value, int offset, "
       "int rows, int owned_blocks, int directions, bool per_direction, int hardness_mode, "
       "float hardness_strength, int reduction, bool grad) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -82,7 +84,7 @@ TORCH_LIBRARY(nanfree, m) {
   // dtype), recomputing the logits from `stats`: (grad_queries, grad_docs,
   // grad_scale), grad_scale empty [0] when `scale` is None.
   m.def(
-      "mnr_loss_backward(Tensor grad_loss, Tensor queries, Tensor docs, Tensor? scale, "
+      "mnr_loss_backward(Tensor grad_loss, Tensor queries, Tensor[] docs, Tensor? scale, "
       "float scale_value, Tensor stats, int offset, int rows, int owned_blocks, int directions, "
       "bool per_direction, int hardness_mode, float hardness_strength, int reduction) -> "
       "(Tensor, Tensor, Tensor)");

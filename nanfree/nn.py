@@ -404,7 +404,8 @@ class MultipleNegativesRankingLoss(torch.nn.Module):
                                       self.scale, self.directions, self.partition_mode,
                                       self.hardness_mode, self.hardness_strength,
                                       self.gather_across_devices)
-        negatives = torch.stack(embeddings[2:], dim=1) if len(embeddings) > 2 else None
+        # The hard negative columns as they are: read in place, not stacked.
+        negatives = list(embeddings[2:]) if len(embeddings) > 2 else None
         return ops.mnr_loss(embeddings[0], embeddings[1], negatives, scale=self.scale,
                             directions=_unique(self.directions),
                             partition_mode=self.partition_mode,

@@ -306,8 +306,9 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     holding the [B, B(1+k)] logit matrix, and never NaN from non-NaN input.
 
     ``queries``, ``positives`` [B, d]; ``negatives`` None, [B, k, d] (k hard
-    negatives per query) or [N, d] (extra candidates shared by every query,
-    owned by none). ``scale`` is a positive float or a one-element tensor (its
+    negatives per query), a list of k [B, d] columns (the same, as
+    sentence-transformers passes them) or [N, d] (extra candidates shared by
+    every query, owned by none); read in place, never concatenated. ``scale`` is a positive float or a one-element tensor (its
     gradient is returned). See docs/mnr.md for directions, partition modes,
     hardness modes and gathering across ranks. Half-precision inputs give a
     float32 loss."""
@@ -318,37 +319,49 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
         symmetric, directions, partition_mode, hardness_mode, hardness_strength, reduction)
     if not isinstance(gather_across_devices, bool):
         raise TypeError(f"nanfree.{op}: `gather_across_devices` must be a bool")
+    # The docs, read in place by the op: the positives, the k blocks
+    # negatives[:, j] of a [B, k, d] negatives (one block of the op; k = 0
+    # too, so that its gradient is zeros, as torch's), then shared candidates.
+    if isinstance(negatives, (list, tuple)):  # k columns [B, d], each a block
+        owned, shared, owned_blocks = [positives, *negatives], [], 1 + len(negatives)
+    else:
+        hard = negatives is not None and negatives.dim() == 3
+        owned = [positives] + ([negatives] if hard else [])
+        shared = [negatives] if negatives is not None and not hard else []
+        owned_blocks = 1 + (negatives.shape[1] if hard else 0)
+    return _mnr_loss_of_blocks(queries, owned, shared, owned_blocks, dtype, scale_tensor,
+                               scale_value, bits, per_direction, hardness, strength, red,
+                               gather_across_devices, negatives)
+
+
+def _mnr_loss_of_blocks(queries, owned, shared, owned_blocks, dtype, scale_tensor, scale_value,
+                        bits, per_direction, hardness, strength, red, gather_across_devices,
+                        negatives):
+    """mnr_loss on checked arguments: the docs as the op's blocks, `owned` (the
+    positives, then [B, d] or [B, k, d] blocks of hard negatives) and `shared`
+    ([N, d] candidates); nanfree.nn's module passes its columns here as they are."""
     rows = queries.shape[0]
-    # The docs: the positives, the k blocks negatives[:, j], then shared candidates.
-    blocks = [positives]
-    if negatives is not None and negatives.dim() == 3:
-        blocks += list(negatives.unbind(1))
-    parts = blocks + ([negatives] if negatives is not None and negatives.dim() == 2 else [])
-    if negatives is not None and negatives.dim() == 3 and negatives.shape[1] == 0:
-        # [B, 0, d]: no block, but the empty tensor stays in the graph (as a
-        # 0-row part of the documents), so that its gradient is zeros, as torch's.
-        parts.append(negatives.reshape(0, negatives.shape[2]))
-    parts = [part.to(dtype) for part in parts]
+    docs = [block.to(dtype) for block in owned + shared]
     queries = queries.to(dtype)
     offset = 0
     import torch.distributed as dist
 
     if gather_across_devices and dist.is_available() and dist.is_initialized():
         _mnr.check_gather_shapes(queries, negatives, dtype)
-        # Each part is gathered on its own so that the gathered docs keep the
-        # layout [every rank's positives, every rank's negatives 0, ..., shared].
-        parts = [_mnr.gather_with_grad(part) for part in parts]
+        # Each block is gathered on its own (along its first dimension) so that
+        # the gathered docs keep the layout [every rank's positives, every
+        # rank's negatives 0, ..., shared].
+        docs = [_mnr.gather_with_grad(block) for block in docs]
         queries = _mnr.gather_with_grad(queries)
         offset = dist.get_rank() * rows
-    docs = _mnr.cat_rows(parts) if len(parts) > 1 else parts[0]
     wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (queries, docs, scale_tensor))
+        t is not None and t.requires_grad for t in (queries, *docs, scale_tensor))
     # The op normalizes the rows itself (as cos_sim does, eps 1e-12), so that no
     # normalized copy is kept for the backward.
     try:
         return torch.ops.nanfree.mnr_loss(queries, docs, scale_tensor, scale_value, offset, rows,
-                                          len(blocks), bits, per_direction, hardness, strength,
+                                          owned_blocks, bits, per_direction, hardness, strength,
                                           red, wants_grad and red != 0)[0]
     except RuntimeError:
-        refuse_torch_func("mnr_loss", queries, docs, scale_tensor)
+        refuse_torch_func("mnr_loss", queries, *docs, scale_tensor)
         raise

@@ -158,13 +158,15 @@ def test_hardness_gradients_match_oracle(device, hardness, reduction, negatives)
 def _op_args(q, p, n, scale, directions=1, per_direction=False, hardness=0, strength=0.0,
              reduction=1, grad=False, offset=0, rows=None):
     """The op's arguments for the public function's inputs, normalized with
-    F.normalize (differentiable, as the oracle's)."""
-    blocks = [p] + (list(n.unbind(1)) if n is not None and n.dim() == 3 else [])
-    docs = torch.cat(blocks + ([n] if n is not None and n.dim() == 2 else []))
+    F.normalize (differentiable, as the oracle's): the docs as nanfree.ops
+    passes them, the blocks [B, d] positives, [B, k, d] hard negatives, [N, d]
+    shared candidates."""
+    docs = [p] + ([n] if n is not None else [])
+    owned_blocks = 1 + (n.shape[1] if n is not None and n.dim() == 3 else 0)
     scale_t, scale_value = (scale, 0.0) if isinstance(scale, torch.Tensor) else (None, scale)
-    return (F.normalize(q, dim=-1), F.normalize(docs, dim=-1), scale_t, scale_value, offset,
-            q.shape[0] if rows is None else rows, len(blocks), directions, per_direction,
-            hardness, strength, reduction, grad)
+    return (F.normalize(q, dim=-1), [F.normalize(block, dim=-1) for block in docs], scale_t,
+            scale_value, offset, q.shape[0] if rows is None else rows, owned_blocks, directions,
+            per_direction, hardness, strength, reduction, grad)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -181,7 +183,9 @@ def test_both_paths_give_the_same_gradients(device, reduction):
                         reduction=reduction, grad=grad)
         loss, stats, gq, gd, gs = OPS.mnr_loss(*args)
         if grad:
-            assert gq.shape == args[0].shape and gd.shape == args[1].shape and gs.shape == ()
+            docs = sum(block[..., 0].numel() for block in args[1])
+            assert gq.shape == args[0].shape and gd.shape == (docs, args[0].shape[1]) and \
+                gs.shape == ()
         else:
             assert gq.shape == (0,) and gd.shape == (0,) and gs.shape == (0,)
         # An upstream gradient other than 1.
@@ -281,15 +285,17 @@ if not INTERPRETED:
 def _opcheck_args(device, dtype, scale_kind, directions, per_direction, hardness, reduction,
                   local, requires_grad):
     offset, rows = local
-    # 4 queries, 2 owned blocks (positives and one hard negative) and 2 shared docs;
-    # a zero doc.
+    # 4 queries, 2 owned blocks (positives [4, 6] and one hard negative each,
+    # [4, 1, 6]) and 2 shared docs [2, 6]; a zero doc.
     queries = _unit(4, 6, device, dtype, 6)
-    docs = _unit(10, 6, device, dtype, 7)
-    docs[5] = 0
+    rows_ = _unit(10, 6, device, dtype, 7)
+    rows_[5] = 0
+    docs = [rows_[:4].clone(), rows_[4:8].reshape(4, 1, 6).clone(), rows_[8:].clone()]
     scale = torch.tensor(12.0, device=device) if scale_kind == "tensor" else None
     if requires_grad:
         queries.requires_grad_(True)
-        docs.requires_grad_(True)
+        for block in docs:
+            block.requires_grad_(True)
         if scale is not None:
             scale.requires_grad_(True)
     return [queries, docs, scale, 12.0 if scale is None else 0.0, offset, rows, 2, directions,
@@ -358,7 +364,7 @@ def test_grad_true_with_reduction_none(device, scale_kind):
     # upstream of ones); the loss's backward must then still honour the
     # incoming per-row gradient: the gradients of grad=False's path.
     args = _opcheck_args(device, torch.float64, scale_kind, 15, False, 0, 0, (0, 4), True)
-    leaves = [t for t in args[:3] if t is not None]
+    leaves = [t for t in (args[0], *args[1], args[2]) if t is not None]
     g = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64, device=device)
     results = [torch.autograd.grad(OPS.mnr_loss(*args, grad)[0], leaves, g)
                for grad in (False, True)]
@@ -375,7 +381,7 @@ def test_raw_op_positive_row_stats(device):
     assert torch.isfinite(stats[:, 0]).all() and (stats[:, 1] == float("-inf")).all()
     q = _unit(1, 6, device, torch.float32, 8)
     d = _unit(3, 6, device, torch.float32, 9)
-    loss, stats, *_ = OPS.mnr_loss(q, d, None, 5.0, 0, 1, 3, 1 | 8, False, 0, 0.0, 0, False)
+    loss, stats, *_ = OPS.mnr_loss(q, [d], None, 5.0, 0, 1, 3, 1 | 8, False, 0, 0.0, 0, False)
     assert stats[0, 1] == float("-inf") and torch.isfinite(loss).all()
 
 

@@ -81,6 +81,19 @@ def test_widths_differ(which):
 
 
 @pytest.mark.backend_independent  # raised in Python, before any kernel
+@pytest.mark.parametrize("wrong", [(2, 4), (3, 5), (3, 2, 4)], ids=str)
+def test_negative_columns_of_another_shape(wrong):
+    # Hard negatives as a list of columns (sentence-transformers' layout):
+    # each [B, d], or a ValueError naming the column.
+    q, p, _ = _batch()
+    raises_before_any_kernel(ValueError, _mnr(r"each hard negative column must have the shape of "
+                                              r"`queries` \[3, 4\], got .* \(negatives\[1\]\)"),
+                             nf.mnr_loss, q, p, [torch.randn(3, 4), torch.randn(*wrong)])
+    with pytest.raises(TypeError, match=_mnr(r"`negatives` must be a torch.Tensor, got list")):
+        nf.mnr_loss(q, p, [torch.randn(3, 4), [1.0]])
+
+
+@pytest.mark.backend_independent  # raised in Python, before any kernel
 @pytest.mark.parametrize("shape", [(4,), (), (2, 3, 4)], ids=str)
 def test_queries_not_2d(shape):
     x = torch.randn(shape)
@@ -277,8 +290,13 @@ def _forward_results(device="cpu", dtype=torch.float32):
     q = torch.nn.functional.normalize(torch.randn(4, 5, generator=gen), dim=-1).to(device, dtype)
     d = torch.nn.functional.normalize(torch.randn(9, 5, generator=gen), dim=-1).to(device, dtype)
     scale = torch.tensor(20.0, device=device)
-    loss, stats, *_ = OPS.mnr_loss(q, d, scale, 0.0, 0, 4, 2, 15, False, 1, 0.5, 0, False)
+    loss, stats, *_ = OPS.mnr_loss(q, [d], scale, 0.0, 0, 4, 2, 15, False, 1, 0.5, 0, False)
     return q, d, scale, loss, stats
+
+
+def _blocks(docs):
+    """The op's `docs` (a list of blocks) from one [M, d] tensor, or as given."""
+    return [docs] if isinstance(docs, torch.Tensor) else docs
 
 
 # The op's arguments after the tensors: (scale_value, offset, rows, owned_blocks,
@@ -292,13 +310,13 @@ def _op_cases(q, d, scale, loss, stats, dtype):
 
     def fwd(queries=q, docs=d, s=scale, grad=False, **changes):
         c = dict(GOOD, **changes)
-        return (OPS.mnr_loss, (queries, docs, s, c["scale_value"], c["offset"], c["rows"],
+        return (OPS.mnr_loss, (queries, _blocks(docs), s, c["scale_value"], c["offset"], c["rows"],
                                c["owned_blocks"], c["directions"], c["per_direction"],
                                c["hardness_mode"], c["hardness_strength"], c["reduction"], grad))
 
     def bwd(grad_loss=loss, queries=q, docs=d, s=scale, st=stats, **changes):
         c = dict(GOOD, **changes)
-        return (OPS.mnr_loss_backward, (grad_loss, queries, docs, s, c["scale_value"], st,
+        return (OPS.mnr_loss_backward, (grad_loss, queries, _blocks(docs), s, c["scale_value"], st,
                                         c["offset"], c["rows"], c["owned_blocks"],
                                         c["directions"], c["per_direction"], c["hardness_mode"],
                                         c["hardness_strength"], c["reduction"]))
@@ -309,15 +327,19 @@ def _op_cases(q, d, scale, loss, stats, dtype):
         (*fwd(queries=bad), TypeError, rf"mnr_loss: `queries` {FLOAT_MESSAGE}"),
         (*fwd(docs=d.to(dtype)), TypeError, rf"mnr_loss: `docs` {FLOAT_MESSAGE}"),
         (*fwd(docs=d.double()), TypeError, r"mnr_loss: `queries` is \S+ but `docs` is \S+"),
+        (*fwd(docs=[d, d.double()]), TypeError, r"mnr_loss: `queries` is \S+ but `docs` is \S+"),
         (*fwd(s=scale.to(dtype)), TypeError, rf"mnr_loss: `scale` {FLOAT_MESSAGE}"),
         (*bwd(queries=bad), TypeError, rf"mnr_loss_backward: `queries` {FLOAT_MESSAGE}"),
         # shapes
-        (*fwd(queries=q[0]), ValueError, r"mnr_loss: `queries` and `docs` must be 2-D, got 1 "
-                                         "and 2 dimensions"),
-        (*fwd(docs=d[None]), ValueError, r"mnr_loss: `queries` and `docs` must be 2-D, got 2 "
-                                         "and 3 dimensions"),
+        (*fwd(queries=q[0]), ValueError, r"mnr_loss: `queries` must be 2-D, got 1 dimensions"),
+        (*fwd(docs=d[None, None]), ValueError, r"mnr_loss: each block of `docs` must be \[n, d\] "
+                                               r"or \[R, k, d\], got 4 dimensions"),
+        (*fwd(docs=[d, d[0]]), ValueError, r"mnr_loss: each block of `docs` must be \[n, d\]"),
+        (*fwd(docs=[]), ValueError, r"mnr_loss: `docs` must hold at least one block"),
         (*fwd(docs=d[:, :3]), ValueError, r"mnr_loss: `queries` has rows of 5 entries but "
                                           "`docs` of 3"),
+        (*fwd(docs=[d[:4], d[4:8, :3].reshape(4, 1, 3)]), ValueError,
+         r"mnr_loss: `queries` has rows of 5 entries but `docs` of 3"),
         (*fwd(s=torch.ones(2)), ValueError, r"mnr_loss: a tensor `scale` must have one element, "
                                             r"got shape \[2\]"),
         # scale_value (no tensor scale)
@@ -382,13 +404,13 @@ def test_op_level_devices(other):
     q, d, scale, loss, stats = _forward_results()
     rest = tuple(GOOD.values())
     cases = [
-        (OPS.mnr_loss, (q, d.to(other), scale, *rest, False),
+        (OPS.mnr_loss, (q, [d[:4], d[4:].to(other)], scale, *rest, False),
          rf"mnr_loss: `docs` is on {other}\S* but `queries` is on cpu"),
-        (OPS.mnr_loss, (q, d, scale.to(other), *rest, False),
+        (OPS.mnr_loss, (q, [d], scale.to(other), *rest, False),
          rf"mnr_loss: `scale` is on {other}\S* but `queries` is on cpu"),
-        (OPS.mnr_loss_backward, (loss.to(other), q, d, scale, 0.0, stats, *rest[1:]),
+        (OPS.mnr_loss_backward, (loss.to(other), q, [d], scale, 0.0, stats, *rest[1:]),
          rf"mnr_loss_backward: `grad_loss` is on {other}\S* but `queries` is on cpu"),
-        (OPS.mnr_loss_backward, (loss, q, d, scale, 0.0, stats.to(other), *rest[1:]),
+        (OPS.mnr_loss_backward, (loss, q, [d], scale, 0.0, stats.to(other), *rest[1:]),
          rf"mnr_loss_backward: `stats` is on {other}\S* but `queries` is on cpu"),
     ]
     for op, args, match in cases:
@@ -416,12 +438,12 @@ def test_meta_tensors_give_shapes_and_dtypes(dtype):
         assert loss.device.type == "meta" and loss.shape == shape and loss.dtype == acc
     docs = torch.empty(13, 6, device="meta", dtype=dtype)
     scale = torch.empty((), device="meta")
-    loss, stats, gq, gd, gs = OPS.mnr_loss(q, docs, scale, 0.0, 1, 2, 3, 15, False, 0, 0.0, 0,
-                                           True)
+    loss, stats, gq, gd, gs = OPS.mnr_loss(q, [docs[:4], docs[4:12].reshape(4, 2, 6), docs[12:]],
+                                           scale, 0.0, 1, 2, 3, 15, False, 0, 0.0, 0, True)
     assert loss.shape == (2,) and loss.dtype == acc and stats.shape == (2, 3)
     assert gq.shape == q.shape and gq.dtype == dtype and gd.shape == docs.shape
     assert gs.shape == () and gs.dtype == acc
-    gq, gd, gs = OPS.mnr_loss_backward(loss, q, docs, None, 20.0, stats, 1, 2, 3, 15, False, 0,
+    gq, gd, gs = OPS.mnr_loss_backward(loss, q, [docs], None, 20.0, stats, 1, 2, 3, 15, False, 0,
                                        0.0, 0)
     assert gq.shape == q.shape and gd.shape == docs.shape and gs.shape == (0,)
     # The public function's checks hold on meta tensors too.
@@ -434,6 +456,7 @@ def test_op_level_non_tensor_arguments():
     # torch's dispatcher refuses these before any nanfree code runs, naming
     # the op and the argument (a RuntimeError, as for every torch.ops op).
     q, d, scale, loss, stats = _forward_results()
+    d = [d]
     rest = list(GOOD.values())
     cases = [
         (([1.0], d, scale, *rest, False), "queries"),

@@ -344,6 +344,40 @@ def test_backward_saves_nothing_of_the_logit_size(device, reduction, directions)
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("negatives", ["[B, k, d]", "columns", "shared"])
+def test_documents_are_read_in_place(device, reduction, negatives):
+    # The op takes the positives and the negatives as they are (its docs are a
+    # list of blocks): the recomputing path (reduction 'none') saves the
+    # caller's tensors themselves, never a concatenation of them (the other
+    # saves the docs' gradient for an upstream 1, which it needs), and their
+    # gradients are views of one [M, d] gradient (no stacked copy for a
+    # [B, k, d] negatives, none for k columns [B, d]).
+    b, k, d = 6, 3, 5
+    gen = torch.Generator().manual_seed(3)
+    q, p = (torch.randn(b, d, generator=gen).to(device).requires_grad_(True) for _ in range(2))
+    shape = (b, d) if negatives == "columns" else (b, k, d) if negatives == "[B, k, d]" else (7, d)
+    ns = [torch.randn(*shape, generator=gen).to(device).requires_grad_(True)
+          for _ in range(k if negatives == "columns" else 1)]
+    n = ns if negatives == "columns" else ns[0]
+    loss = nf.mnr_loss(q, p, n, reduction=reduction)
+    if reduction == "none":
+        saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
+        docs_sized = [t.shape for t in saved if t.numel() >= p.numel() + ns[0].numel()]
+        assert not docs_sized, f"saved tensors of the docs' size: {docs_sized}"
+        pointers = {t.data_ptr() for t in saved}
+        assert p.data_ptr() in pointers and all(t.data_ptr() in pointers for t in ns)
+    gp, *gns = torch.autograd.grad(loss.sum(), (p, *ns))
+    assert all(gp.untyped_storage().data_ptr() == g.untyped_storage().data_ptr() for g in gns)
+    stacked = torch.stack(ns, 1) if negatives == "columns" else ns[0]
+    cpu = [t.detach().cpu().double().requires_grad_(True) for t in (q, p, stacked)]
+    ref = composed_mnr_loss(*cpu, reduction=reduction)
+    gn = torch.stack(gns, 1) if negatives == "columns" else gns[0]
+    for got, want in zip((gp, gn), torch.autograd.grad(ref.sum(), cpu[1:])):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the CPU kernels' chunk size (the CUDA "
                     "kernels run the same driver in several chunks in the grid-capped emulated pass)")
 def test_query_gradient_streams_without_a_float_accumulator():

@@ -179,8 +179,8 @@ def test_refuses_tensors_the_kernels_cannot_run_on(device):
     g = torch.ones(2, device=device)
     config = (0, 2, 1, 1, False, 0, 0.0, 0)
     calls = [
-        lambda: K.mnr_loss(q, docs, None, 20.0, *config, True),
-        lambda: K.mnr_loss_backward(g, q, docs, None, 20.0, stats, *config),
+        lambda: K.mnr_loss(q, [docs], None, 20.0, *config, True),
+        lambda: K.mnr_loss_backward(g, q, [docs], None, 20.0, stats, *config),
         lambda: K._mnr_loss_normalized(q, docs, None, 20.0, *config, False),
         lambda: K._mnr_loss_backward_normalized(g, q, docs, None, 20.0, stats, *config),
     ]
@@ -190,7 +190,7 @@ def test_refuses_tensors_the_kernels_cannot_run_on(device):
         assert all(w in str(info.value) for w in words), str(info.value)
     # The argument checks come first.
     with pytest.raises(TypeError, match="nanfree.mnr_loss: `queries` must be float16"):
-        K.mnr_loss(q.int(), docs, None, 20.0, *config, False)
+        K.mnr_loss(q.int(), [docs], None, 20.0, *config, False)
 
 
 def test_argument_errors_are_the_ops():
@@ -200,7 +200,7 @@ def test_argument_errors_are_the_ops():
 
     def call(**changes):
         c = dict(config, **changes)
-        return K.mnr_loss(q, docs, None, 20.0, *c.values(), False)
+        return K.mnr_loss(q, [docs], None, 20.0, *c.values(), False)
 
     with pytest.raises(ValueError, match=r"nanfree.mnr_loss: local rows \[2, 4\) are not"):
         call(offset=2, rows=2)
@@ -209,10 +209,10 @@ def test_argument_errors_are_the_ops():
     with pytest.raises(ValueError, match="does not allow query_to_query or doc_to_doc"):
         call(directions=Q2D | D2D, per_direction=True)
     with pytest.raises(ValueError, match="nanfree.mnr_loss: `scale` must be positive"):
-        K.mnr_loss(q, docs, None, -1.0, *config.values(), False)
+        K.mnr_loss(q, [docs], None, -1.0, *config.values(), False)
     loss, stats, *_ = call()
     with pytest.raises(ValueError, match="nanfree.mnr_loss_backward: `stats` must be"):
-        K.mnr_loss_backward(loss, q, docs, None, 20.0, stats[:1], *config.values())
+        K.mnr_loss_backward(loss, q, [docs], None, 20.0, stats[:1], *config.values())
 
 
 # ---------------------------------------------------------------- every configuration
@@ -397,21 +397,26 @@ def test_backward_is_deterministic(small_tiles):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_ops_on_raw_embeddings(dtype):
     # The ops normalize their rows (nanfree's normalize, eps 1e-12) and return
-    # the raw embeddings' gradients, as the torch backend's ops do.
+    # the raw embeddings' gradients, as the torch backend's ops do; the docs
+    # given as blocks [7, 10] and [7, 2, 10] (read as its blocks [:, j]).
     q = (3 * randn(7, 10, seed=16)).to(dtype)
     docs = (0.5 * randn(21, 10, seed=17)).to(dtype)
     docs[4] = 0
+
+    def blocks(d):
+        return [d[:7], d[7:].reshape(7, 2, 10)]
+
     config = (0, 7, 3, Q2D | D2Q, True, 2, 0.3, 0)
     scale = torch.tensor(20.0)
-    got = K.mnr_loss(*on_device(q, docs, scale), 0.0, *config, True)
-    want = R.mnr_loss(q, docs, scale, 0.0, *config, True)
+    qd, dd, sd = on_device(q, docs, scale)
+    got = K.mnr_loss(qd, blocks(dd), sd, 0.0, *config, True)
+    want = R.mnr_loss(q, blocks(docs), scale, 0.0, *config, True)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for a, b, what in zip(got, want, ("loss", "stats", "grad_q", "grad_d", "grad_s")):
         assert_close(a, b, what, tol, tol * max(_finite_max(b), 1e-3))
     g = torch.linspace(0.5, 1.5, 7)
-    got = K.mnr_loss_backward(g.to(DEVICE), *on_device(q, docs, scale), 0.0,
-                              got[1].to(DEVICE), *config)
-    want = R.mnr_loss_backward(g, q, docs, scale, 0.0, want[1], *config)
+    got = K.mnr_loss_backward(g.to(DEVICE), qd, blocks(dd), sd, 0.0, got[1].to(DEVICE), *config)
+    want = R.mnr_loss_backward(g, q, blocks(docs), scale, 0.0, want[1], *config)
     for a, b, what in zip(got, want, ("grad_q", "grad_d", "grad_s")):
         assert_close(a, b, what, tol, tol * max(_finite_max(b), 1e-3))
 

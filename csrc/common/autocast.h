@@ -9,6 +9,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <optional>
+#include <vector>
 
 namespace nanfree {
 
@@ -22,6 +23,13 @@ inline at::Tensor autocast_to_float(const at::Tensor& t) {
     return t;
   }
   return t.to(at::kFloat);
+}
+
+inline std::vector<at::Tensor> autocast_to_float(at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(autocast_to_float(t));
+  return out;
 }
 
 inline std::optional<at::Tensor> autocast_to_float(const std::optional<at::Tensor>& t) {

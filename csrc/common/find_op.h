@@ -49,10 +49,10 @@ using GemBackwardSignature = std::tuple<at::Tensor, at::Tensor>(
 
 // mnr_loss, mnr_loss_backward.
 using MnrLossSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const OptionalTensor&, double, int64_t, int64_t, int64_t,
+    const at::Tensor&, at::TensorList, const OptionalTensor&, double, int64_t, int64_t, int64_t,
     int64_t, bool, int64_t, double, int64_t, bool);
 using MnrLossBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&, double,
+    const at::Tensor&, const at::Tensor&, at::TensorList, const OptionalTensor&, double,
     const at::Tensor&, int64_t, int64_t, int64_t, int64_t, bool, int64_t, double, int64_t);
 
 }  // namespace nanfree

@@ -67,7 +67,7 @@ struct MnrRowKind {
 template <class Tiles>
 class MnrChunked {
  public:
-  MnrChunked(const MnrProblem& problem, const at::Tensor& queries, const at::Tensor& docs,
+  MnrChunked(const MnrProblem& problem, const at::Tensor& queries, at::TensorList docs,
              const std::optional<at::Tensor>& scale, double scale_value)
       : p_(problem), dtype_(queries.scalar_type()), acc_(acc_dtype(queries.scalar_type())) {
     // The rows are normalized here, by the cosine family's op (as cos_sim
@@ -75,7 +75,7 @@ class MnrChunked {
     // gradients are taken back through normalize_backward before returning.
     static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
     std::tie(normalized_[0], norm_stats_[0]) = normalize.call(queries.contiguous(), kMnrNormalizeEps);
-    std::tie(normalized_[1], norm_stats_[1]) = normalize.call(docs.contiguous(), kMnrNormalizeEps);
+    std::tie(normalized_[1], norm_stats_[1]) = normalized_docs(docs);
     const at::Tensor q = Tiles::operand(normalized_[0]);
     const at::Tensor d = Tiles::operand(normalized_[1]);
     scale_ = scale.has_value() ? scale->reshape({}).to(acc_)
@@ -239,6 +239,41 @@ class MnrChunked {
     }
   }
 
+  // The docs' blocks normalized into one [M, d] tensor in the docs' order (a
+  // [R', k, d] block as its k blocks [:, j] of R' rows) and their statistics
+  // [M, 2]: the working copy of the kernels, made from the blocks where they
+  // lie (a single [n, d] block is normalized as it is, with no copy).
+  static std::tuple<at::Tensor, at::Tensor> normalized_docs(at::TensorList docs) {
+    static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
+    if (docs.size() == 1 && docs[0].dim() == 2) {
+      return normalize.call(docs[0].contiguous(), kMnrNormalizeEps);
+    }
+    at::Tensor out, stats;
+    int64_t m = 0;
+    for (const at::Tensor& block : docs) m += mnr_block_rows(block);
+    int64_t start = 0;
+    for (const at::Tensor& block : docs) {
+      const int64_t n = mnr_block_rows(block);
+      auto [hat, st] = normalize.call(block.contiguous(), kMnrNormalizeEps);
+      if (!out.defined()) {
+        out = at::empty({m, block.size(-1)}, hat.options());
+        stats = at::empty({m, st.size(-1)}, st.options());
+      }
+      at::Tensor rows = out.narrow(0, start, n);
+      at::Tensor row_stats = stats.narrow(0, start, n);
+      if (block.dim() == 3) {  // rows [j * R' + i] = block[i, j]
+        const int64_t r = block.size(0), k = block.size(1);
+        rows.view({k, r, block.size(2)}).copy_(hat.transpose(0, 1));
+        row_stats.view({k, r, st.size(-1)}).copy_(st.reshape({r, k, st.size(-1)}).transpose(0, 1));
+      } else {
+        rows.copy_(hat);
+        row_stats.copy_(st.reshape({n, st.size(-1)}));
+      }
+      start += n;
+    }
+    return {out, stats};
+  }
+
   // The gradient of input i (0 queries, 1 docs) for its rows [start, start + n)
   // from their accumulated float gradient g (modified in place): times the
   // upstream factor, saturated at the largest finite value of the inputs'
@@ -298,7 +333,7 @@ class MnrChunked {
 // the checks can name the argument.
 template <class Tiles>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_kernel(
-    const at::Tensor& queries, const at::Tensor& docs, const std::optional<at::Tensor>& scale,
+    const at::Tensor& queries, at::TensorList docs, const std::optional<at::Tensor>& scale,
     double scale_value, int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions,
     bool per_direction, int64_t hardness_mode, double hardness_strength, int64_t reduction,
     bool grad) {
@@ -312,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_
 
 template <class Tiles>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mnr_loss_backward_kernel(
-    const at::Tensor& grad_loss, const at::Tensor& queries, const at::Tensor& docs,
+    const at::Tensor& grad_loss, const at::Tensor& queries, at::TensorList docs,
     const std::optional<at::Tensor>& scale, double scale_value, const at::Tensor& stats,
     int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions, bool per_direction,
     int64_t hardness_mode, double hardness_strength, int64_t reduction) {

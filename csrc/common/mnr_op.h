@@ -38,25 +38,43 @@ struct MnrProblem {
 
 constexpr int64_t kMnrStats = kMnrStatsPerRow;  // (rel_q, rel_p, t): mnr_math.h
 
-inline MnrProblem check_mnr_loss(const char* op, const at::Tensor& queries, const at::Tensor& docs,
+// The rows of one block of the docs: [n, d] holds n, [R', k, d] k * R'.
+inline int64_t mnr_block_rows(const at::Tensor& block) {
+  return block.dim() == 2 ? block.size(0) : block.size(0) * block.size(1);
+}
+
+// The docs' blocks: at least one, each [n, d] or [R', k, d] of the queries'
+// dtype, device and width. Returns M, the docs in all.
+inline int64_t check_mnr_docs(const char* op, const at::Tensor& queries, at::TensorList docs) {
+  TORCH_CHECK_VALUE(!docs.empty(), "nanfree.", op, ": `docs` must hold at least one block");
+  int64_t m = 0;
+  for (const at::Tensor& block : docs) {
+    check_float_input(op, "docs", block);
+    check_same_device(op, "docs", queries, block, "queries");
+    TORCH_CHECK_VALUE(block.dim() == 2 || block.dim() == 3, "nanfree.", op,
+                      ": each block of `docs` must be [n, d] or [R, k, d], got ", block.dim(),
+                      " dimensions");
+    TORCH_CHECK_TYPE(queries.scalar_type() == block.scalar_type(), "nanfree.", op,
+                     ": `queries` is ", queries.scalar_type(), " but `docs` is ",
+                     block.scalar_type());
+    TORCH_CHECK_VALUE(queries.size(1) == block.size(-1), "nanfree.", op,
+                      ": `queries` has rows of ", queries.size(1), " entries but `docs` of ",
+                      block.size(-1));
+    m += mnr_block_rows(block);
+  }
+  return m;
+}
+
+inline MnrProblem check_mnr_loss(const char* op, const at::Tensor& queries, at::TensorList docs,
                                  const std::optional<at::Tensor>& scale, double scale_value,
                                  int64_t offset, int64_t rows, int64_t owned_blocks,
                                  int64_t directions, bool per_direction, int64_t hardness_mode,
                                  double hardness_strength, int64_t reduction) {
   check_float_input(op, "queries", queries);
-  check_float_input(op, "docs", docs);
-  check_same_device(op, "docs", queries, docs, "queries");
-  TORCH_CHECK_VALUE(queries.dim() == 2 && docs.dim() == 2, "nanfree.", op,
-                    ": `queries` and `docs` must be 2-D, got ", queries.dim(), " and ",
-                    docs.dim(), " dimensions");
-  TORCH_CHECK_TYPE(queries.scalar_type() == docs.scalar_type(), "nanfree.", op,
-                   ": `queries` is ", queries.scalar_type(), " but `docs` is ",
-                   docs.scalar_type());
-  TORCH_CHECK_VALUE(queries.size(1) == docs.size(1), "nanfree.", op,
-                    ": `queries` has rows of ", queries.size(1), " entries but `docs` of ",
-                    docs.size(1));
+  TORCH_CHECK_VALUE(queries.dim() == 2, "nanfree.", op, ": `queries` must be 2-D, got ",
+                    queries.dim(), " dimensions");
+  const int64_t m = check_mnr_docs(op, queries, docs);
   const int64_t r = queries.size(0);
-  const int64_t m = docs.size(0);
   if (scale.has_value()) {
     check_float_input(op, "scale", *scale);
     TORCH_CHECK_VALUE(scale->numel() == 1, "nanfree.", op,
@@ -103,7 +121,7 @@ inline std::vector<int64_t> mnr_loss_shape(const MnrProblem& problem) {
 }
 
 inline MnrProblem check_mnr_loss_backward(
-    const at::Tensor& grad_loss, const at::Tensor& queries, const at::Tensor& docs,
+    const at::Tensor& grad_loss, const at::Tensor& queries, at::TensorList docs,
     const std::optional<at::Tensor>& scale, double scale_value, const at::Tensor& stats,
     int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions, bool per_direction,
     int64_t hardness_mode, double hardness_strength, int64_t reduction) {

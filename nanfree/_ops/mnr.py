@@ -61,25 +61,41 @@ class MnrProblem:
         return self.doc_to_query or self.doc_to_doc
 
 
+def block_rows(shape):
+    """The docs a block of this shape holds: [n, d] n, [R', k, d] k * R'
+    (mnr_op.h's mnr_block_rows)."""
+    return shape[0] if len(shape) == 2 else shape[0] * shape[1]
+
+
 def _check_embeddings(op, queries, docs):
+    """Checks `queries` and the docs' blocks; returns M, the docs in all."""
     check_float(op, "queries", queries)
-    check_float(op, "docs", docs)
-    check_device(op, "docs", queries, docs, "queries")
-    if queries.dim() != 2 or docs.dim() != 2:
-        raise ValueError(f"nanfree.{op}: `queries` and `docs` must be 2-D, got "
-                         f"{queries.dim()} and {docs.dim()} dimensions")
-    if queries.dtype != docs.dtype:
-        raise TypeError(f"nanfree.{op}: `queries` is {queries.dtype} but `docs` is {docs.dtype}")
-    if queries.shape[1] != docs.shape[1]:
-        raise ValueError(f"nanfree.{op}: `queries` has rows of {queries.shape[1]} entries but "
-                         f"`docs` of {docs.shape[1]}")
+    if queries.dim() != 2:
+        raise ValueError(f"nanfree.{op}: `queries` must be 2-D, got {queries.dim()} dimensions")
+    if not isinstance(docs, (list, tuple)) or not docs:
+        raise ValueError(f"nanfree.{op}: `docs` must hold at least one block")
+    m = 0
+    for block in docs:
+        check_float(op, "docs", block)
+        check_device(op, "docs", queries, block, "queries")
+        if block.dim() not in (2, 3):
+            raise ValueError(f"nanfree.{op}: each block of `docs` must be [n, d] or [R, k, d], "
+                             f"got {block.dim()} dimensions")
+        if queries.dtype != block.dtype:
+            raise TypeError(f"nanfree.{op}: `queries` is {queries.dtype} but `docs` is "
+                            f"{block.dtype}")
+        if queries.shape[1] != block.shape[-1]:
+            raise ValueError(f"nanfree.{op}: `queries` has rows of {queries.shape[1]} entries "
+                             f"but `docs` of {block.shape[-1]}")
+        m += block_rows(block.shape)
+    return m
 
 
 def check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
                    per_direction, hardness_mode, hardness_strength, reduction,
                    op="mnr_loss"):
-    _check_embeddings(op, queries, docs)
-    r, m = queries.shape[0], docs.shape[0]
+    m = _check_embeddings(op, queries, docs)
+    r = queries.shape[0]
     if scale is not None:
         check_float(op, "scale", scale)
         if scale.numel() != 1:
@@ -203,6 +219,37 @@ def _normalize(t):
     return torch.ops.nanfree.normalize(t.contiguous(), MNR_NORMALIZE_EPS)
 
 
+def _normalize_docs(docs):
+    """The docs' blocks normalized into one [M, d] tensor in the docs' order
+    (a [R', k, d] block as its k blocks [:, j]) and their statistics [M, 2]:
+    MnrChunked::normalized_docs of csrc/common/mnr_driver.h."""
+    if len(docs) == 1 and docs[0].dim() == 2:
+        return _normalize(docs[0])
+    hats, stats = [], []
+    for block in docs:
+        hat, st = _normalize(block)
+        if block.dim() == 3:  # rows [j * R' + i] = block[i, j]
+            hat, st = hat.transpose(0, 1), st.transpose(0, 1)
+        n = block_rows(block.shape)
+        hats.append(hat.reshape(n, hat.shape[-1]))
+        stats.append(st.reshape(n, st.shape[-1]))
+    return torch.cat(hats), torch.cat(stats)
+
+
+def split_doc_grads(grad_docs, shapes):
+    """The gradient of each block of the docs (of these shapes) from the [M, d]
+    gradient of all: views, no copy (a [R', k, d] block's is a transposed view)."""
+    grads, start = [], 0
+    for shape in shapes:
+        n = block_rows(shape)
+        g = grad_docs.narrow(0, start, n)
+        if len(shape) == 3:
+            g = g.view(shape[1], shape[0], shape[2]).transpose(0, 1)
+        grads.append(g)
+        start += n
+    return grads
+
+
 def _raw_grad(grad, normalized, stats):
     dtype = normalized.dtype
     if dtype in (torch.float16, torch.bfloat16):
@@ -214,13 +261,14 @@ def _raw_grad(grad, normalized, stats):
 
 def on_raw_embeddings(core_forward, core_backward, check_forward, check_backward):
     """(mnr_loss, mnr_loss_backward) op functions over a backend's cores:
-    core_forward(queries_hat, docs_hat, scale, scale_value, ..., grad) and
+    core_forward(queries_hat, docs_hat, scale, scale_value, ..., grad) (docs_hat: the
+    normalized docs, one [M, d] tensor, _normalize_docs) and
     core_backward(grad_loss, queries_hat, docs_hat, ...), with the ops'
     signatures (csrc/registration.cpp)."""
 
     def mnr_loss(queries, docs, scale, scale_value, *config):
         check_forward(queries, docs, scale, scale_value, *config[:-1])
-        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize(docs)
+        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize_docs(docs)
         loss, stats, gq, gd, gs = core_forward(q_hat, d_hat, scale, scale_value, *config)
         if config[-1]:  # grad
             gq, gd = _raw_grad(gq, q_hat, q_stats), _raw_grad(gd, d_hat, d_stats)
@@ -228,7 +276,7 @@ def on_raw_embeddings(core_forward, core_backward, check_forward, check_backward
 
     def mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, *config):
         check_backward(grad_loss, queries, docs, scale, scale_value, stats, *config)
-        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize(docs)
+        (q_hat, q_stats), (d_hat, d_stats) = _normalize(queries), _normalize_docs(docs)
         gq, gd, gs = core_backward(grad_loss, q_hat, d_hat, scale, scale_value, stats, *config)
         return _raw_grad(gq, q_hat, q_stats), _raw_grad(gd, d_hat, d_stats), gs
 
@@ -238,12 +286,12 @@ def on_raw_embeddings(core_forward, core_backward, check_forward, check_backward
 # --- fake kernels and autograd -------------------------------------------------------
 
 
-def _fake_grads(queries, docs, scale, acc, grad):
+def _fake_grads(queries, problem, scale, acc, grad):
     if not grad:
         return no_gradients(queries, acc)
     grad_scale = queries.new_empty((), dtype=acc) if scale is not None else \
         queries.new_empty((0,), dtype=acc)
-    return queries.new_empty(queries.shape), docs.new_empty(docs.shape), grad_scale
+    return queries.new_empty(queries.shape), queries.new_empty((problem.m, problem.d)), grad_scale
 
 
 def _fake_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks, directions,
@@ -254,16 +302,16 @@ def _fake_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks
     acc = acc_dtype(queries.dtype)
     return (queries.new_empty(loss_shape(problem), dtype=acc),
             queries.new_empty((rows, STATS), dtype=acc),
-            *_fake_grads(queries, docs, scale, acc, grad))
+            *_fake_grads(queries, problem, scale, acc, grad))
 
 
 def _fake_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset, rows,
                             owned_blocks, directions, per_direction, hardness_mode,
                             hardness_strength, reduction):
-    check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset, rows,
-                            owned_blocks, directions, per_direction, hardness_mode,
-                            hardness_strength, reduction)
-    return _fake_grads(queries, docs, scale, acc_dtype(queries.dtype), True)
+    problem = check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats, offset,
+                                      rows, owned_blocks, directions, per_direction,
+                                      hardness_mode, hardness_strength, reduction)
+    return _fake_grads(queries, problem, scale, acc_dtype(queries.dtype), True)
 
 
 # mnr_loss's arguments after the tensors (queries, docs, scale), as saved.
@@ -275,6 +323,7 @@ def _setup_context(ctx, inputs, output):
     queries, docs, scale, *config, grad = inputs
     loss, stats, grad_queries, grad_docs, grad_scale = output
     ctx.config = config
+    ctx.doc_shapes = [block.shape for block in docs]
     ctx.has_scale = scale is not None
     ctx.scale_shape = None if scale is None else scale.shape
     ctx.scale_dtype = None if scale is None else scale.dtype
@@ -286,7 +335,7 @@ def _setup_context(ctx, inputs, output):
     if ctx.precomputed:
         ctx.save_for_backward(grad_queries, grad_docs, grad_scale, loss)
     else:
-        ctx.save_for_backward(queries, docs, scale, stats, loss)
+        ctx.save_for_backward(queries, scale, stats, loss, *docs)
     ctx.mark_non_differentiable(stats, grad_queries, grad_docs, grad_scale)
     # The other outputs never receive a gradient: no zero tensors of their sizes.
     ctx.set_materialize_grads(False)
@@ -304,7 +353,7 @@ def _gradients(ctx, grad_loss):
         grad_docs = unscaled(grad_docs.to(factor.dtype), factor, grad_docs.dtype)
         grad_scale = unscaled(grad_scale, factor)
     else:
-        queries, docs, scale, stats, _ = ctx.saved_tensors
+        queries, scale, stats, _, *docs = ctx.saved_tensors
         grad_queries, grad_docs, grad_scale = torch.ops.nanfree.mnr_loss_backward(
             grad_loss.contiguous(), queries, docs, scale, ctx.config[0], stats, *ctx.config[1:])
     if ctx.has_scale:
@@ -335,14 +384,24 @@ class _RefusedDoubleBackward(torch.autograd.Function):
 def _backward(ctx, grad_loss, *unused):
     if grad_loss is None:
         # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
-        return (None,) * (3 + len(_CONFIG) + 1)
+        return (None, [None] * len(ctx.doc_shapes)) + (None,) * (1 + len(_CONFIG) + 1)
     if torch.is_grad_enabled():
         # create_graph=True: the node hangs off the loss, so that differentiating
         # the gradients reaches it (and refuses) whatever else requires grad.
-        grads = _RefusedDoubleBackward.apply(ctx, grad_loss, ctx.saved_tensors[-1])
+        grads = _RefusedDoubleBackward.apply(ctx, grad_loss, _saved_loss(ctx))
     else:
         grads = _gradients(ctx, grad_loss)
-    return tuple(grads) + (None,) * (len(_CONFIG) + 1)
+    grad_queries, grad_docs, grad_scale = grads
+    # Each block's gradient: a view of the docs' [M, d] gradient.
+    grad_blocks = [None] * len(ctx.doc_shapes) if grad_docs is None else \
+        split_doc_grads(grad_docs, ctx.doc_shapes)
+    return (grad_queries, grad_blocks, grad_scale) + (None,) * (len(_CONFIG) + 1)
+
+
+def _saved_loss(ctx):
+    """The loss saved by _setup_context (the last of the precomputed gradients'
+    tuple, the fourth of the recomputing one's)."""
+    return ctx.saved_tensors[-1] if ctx.precomputed else ctx.saved_tensors[3]
 
 
 def register():
@@ -438,10 +497,13 @@ def check_torch_style_embeddings(queries, positives, negatives):
     """Checks the embeddings; returns their common dtype."""
     op = "mnr_loss"
     check_tensors(op, queries=queries, positives=positives)
-    if negatives is not None:
-        check_tensors(op, negatives=negatives)
+    columns = isinstance(negatives, (list, tuple))
+    for t in (negatives if columns else [] if negatives is None else [negatives]):
+        check_tensors(op, negatives=t)
     named = {"queries": queries, "positives": positives}
-    if negatives is not None:
+    if columns:
+        named.update((f"negatives[{i}]", t) for i, t in enumerate(negatives))
+    elif negatives is not None:
         named["negatives"] = negatives
     for name, t in named.items():
         check_float(op, name, t)
@@ -455,7 +517,14 @@ def check_torch_style_embeddings(queries, positives, negatives):
         raise ValueError(f"nanfree.{op}: `positives` must have the shape of `queries` "
                          f"{list(queries.shape)}, got {list(positives.shape)}")
     dtype = torch.promote_types(queries.dtype, positives.dtype)
-    if negatives is not None:
+    if columns:
+        for i, t in enumerate(negatives):
+            if t.shape != queries.shape:
+                raise ValueError(f"nanfree.{op}: each hard negative column must have the shape "
+                                 f"of `queries` {list(queries.shape)}, got {list(t.shape)} "
+                                 f"(negatives[{i}])")
+            dtype = torch.promote_types(dtype, t.dtype)
+    elif negatives is not None:
         dtype = torch.promote_types(dtype, negatives.dtype)
         if negatives.dim() == 3:
             if negatives.shape[0] != queries.shape[0] or negatives.shape[2] != queries.shape[1]:
@@ -472,16 +541,6 @@ def check_torch_style_embeddings(queries, positives, negatives):
     return dtype
 
 
-def cat_rows(parts):
-    """torch.cat of same-dtype parts, also under autocast, whose cat refuses a
-    half dtype other than its own (the op itself widens under autocast)."""
-    device_type = parts[0].device.type
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return torch.cat(parts)
-    return torch.cat(parts)
-
-
 _GATHER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -492,7 +551,12 @@ def check_gather_shapes(queries, negatives, dtype):
     hanging (an unequal number of gathers)."""
     import torch.distributed as dist
 
-    kind, count = (0, 0) if negatives is None else (negatives.dim() - 1, negatives.shape[-2])
+    if negatives is None:
+        kind, count = 0, 0
+    elif isinstance(negatives, (list, tuple)):  # k hard negative columns [B, d]
+        kind, count = 1, len(negatives)
+    else:  # [B, k, d]: k hard negatives; [N, d]: N shared
+        kind, count = (1, negatives.shape[1]) if negatives.dim() == 3 else (2, negatives.shape[0])
     mine = torch.tensor([queries.shape[0], queries.shape[1], kind, count,
                          _GATHER_DTYPES.index(dtype)], dtype=torch.int64)
     if dist.get_backend() == "nccl":

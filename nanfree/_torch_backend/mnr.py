@@ -208,7 +208,8 @@ def _gradients(problem, queries, docs, scale_t, want_scale, stats, upstream):
 def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_blocks,
                          directions, per_direction, hardness_mode, hardness_strength, reduction,
                          grad):
-    problem = check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+    # `docs`: the normalized docs, one [M, d] tensor (_ops/mnr.py's on_raw_embeddings).
+    problem = check_mnr_loss(queries, [docs], scale, scale_value, offset, rows, owned_blocks,
                              directions, per_direction, hardness_mode, hardness_strength,
                              reduction)
     acc = acc_dtype(queries.dtype)
@@ -240,7 +241,7 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
 def _mnr_loss_backward_normalized(grad_loss, queries, docs, scale, scale_value, stats, offset,
                                   rows, owned_blocks, directions, per_direction, hardness_mode,
                                   hardness_strength, reduction):
-    problem = check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats,
+    problem = check_mnr_loss_backward(grad_loss, queries, [docs], scale, scale_value, stats,
                                       offset, rows, owned_blocks, directions, per_direction,
                                       hardness_mode, hardness_strength, reduction)
     acc = stats.dtype

@@ -797,7 +797,8 @@ def _mnr_loss_normalized(queries, docs, scale, scale_value, offset, rows, owned_
                          grad):
     """mnr_loss of normalized rows: (loss, stats, grad_queries, grad_docs,
     grad_scale), the gradients those of the normalized rows."""
-    problem = check_mnr_loss(queries, docs, scale, scale_value, offset, rows, owned_blocks,
+    # `docs`: the normalized docs, one [M, d] tensor (_ops/mnr.py's on_raw_embeddings).
+    problem = check_mnr_loss(queries, [docs], scale, scale_value, offset, rows, owned_blocks,
                              directions, per_direction, hardness_mode, hardness_strength,
                              reduction)
     _check_runnable("mnr_loss", queries)
@@ -816,7 +817,7 @@ def _mnr_loss_backward_normalized(grad_loss, queries, docs, scale, scale_value, 
                                   rows, owned_blocks, directions, per_direction, hardness_mode,
                                   hardness_strength, reduction):
     """mnr_loss_backward of normalized rows: the gradients of the normalized rows."""
-    problem = check_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats,
+    problem = check_mnr_loss_backward(grad_loss, queries, [docs], scale, scale_value, stats,
                                       offset, rows, owned_blocks, directions, per_direction,
                                       hardness_mode, hardness_strength, reduction)
     _check_runnable("mnr_loss_backward", queries)

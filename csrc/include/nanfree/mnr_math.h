@@ -3,7 +3,8 @@
 // nanfree/_triton/mnr.py and nanfree/_torch_backend/mnr.py.
 //
 // The problem the kernels see (nanfree.ops.mnr_loss builds it):
-// - `queries` [R, d] and `docs` [M, d], normalized by the ops (kMnrNormalizeEps), R = world
+// - `queries` [R, d] and `docs` [M, d] (the op's blocks in order, normalized into
+//   one working copy by the ops, kMnrNormalizeEps), R = world
 //   rows (W ranks of B rows each; W = 1 without gathering). The docs are the
 //   owned blocks first, `owned_blocks` blocks of R rows (block 0 the
 //   positives, block b >= 1 hard negative b - 1): doc j < owned_blocks * R
