@@ -1,83 +1,122 @@
-"""What nanfree.debug.detect_anomaly and nanfree.optim.FiniteGuard cost: forward+
-backward steps of two small models eager, under torch.autograd.detect_anomaly
-and under nanfree's; then whole training steps (forward, backward, Adam) with
-the plain optimizer and wrapped in FiniteGuard (for-loop Adam: restored from a
-copy where skipped; fused Adam: its found_inf flag). Timed alternately, best of
---rounds rounds of --steps steps each.
+"""What nanfree.debug.detect_anomaly and nanfree.optim.FiniteGuard cost, per
+training step of two small models (a 4-layer transformer encoder, d 128, and a
+24-layer Linear+Tanh MLP), on the benchmark suite's timing
+(benchmarks/bench_common.py):
 
-    python benchmarks/bench_debug.py [--rounds 5] [--steps 5]
+- detect_anomaly: a forward+backward step inside nanfree's region against the
+  same step inside torch.autograd.detect_anomaly() (ratio = torch's time /
+  nanfree's) and against the plain step (``nf/eag``: nanfree's time / eager's;
+  the target, DESIGN.md section 2 and issue 20: at most 1.5x);
+- FiniteGuard: a whole step (zero_grad, forward, backward, Adam) with the
+  optimizer wrapped in FiniteGuard against the plain optimizer (ratio = plain
+  time / guarded; the target: detection costs at most 3%, a ratio of at least
+  0.97), for-loop Adam (restored from a copy where a step is skipped) and fused
+  Adam (its found_inf flag).
+
+Each step enters the region (or the guard's step) anew, as a training loop
+does. No torch.compile column: what is timed is a region around eager code.
+
+    python benchmarks/bench_debug.py            # default run (about a minute on CPU)
+    python benchmarks/bench_debug.py --quick    # smoke run
+
+Writes benchmarks/results/<machine>/debug.{csv,md}.
 """
 
-import argparse
 import os
 import sys
-import time
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import bench_common as bc  # noqa: E402
 from nanfree.debug import detect_anomaly  # noqa: E402
 from nanfree.optim import FiniteGuard  # noqa: E402
 
 
-def models():
+def models(device):
+    """[(name, model, input)] on the device: issue 20's two models, a 4-layer
+    TransformerEncoder (d 128, 4 heads, batch 8 x 32) and a 24-layer
+    Linear+Tanh MLP (256 wide, batch 64)."""
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
-    mlp = [m for _ in range(24) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())]
-    return {
-        "2-layer transformer encoder, d 64, batch 8 x 32": (
-            torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(8, 32, 64)),
-        "24-layer MLP, 256 wide, batch 64": (torch.nn.Sequential(*mlp), torch.randn(64, 256)),
-    }
+    layer = torch.nn.TransformerEncoderLayer(128, 4, 512, batch_first=True)
+    mlp = [m for _ in range(24) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())]
+    cases = [("transformer-4x128", torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+              torch.randn(8, 32, 128)),
+             ("mlp-24x256-tanh", torch.nn.Sequential(*mlp), torch.randn(64, 256))]
+    return [(name, model.to(device), x.to(device)) for name, model, x in cases]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-    warnings.simplefilter("ignore")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step "
-          "(ratio to eager)")
-    for name, (model, x) in models().items():
-        sides = {"eager": lambda: torch.enable_grad(),
-                 "torch.autograd.detect_anomaly": lambda: torch.autograd.detect_anomaly(),
-                 "nanfree.debug.detect_anomaly": lambda model=model: detect_anomaly(model=model)}
-        best = {}
-        for _ in range(args.rounds):
-            for side, region in sides.items():
-                with region():
-                    model(x).square().mean().backward()  # warm-up
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        model(x).square().mean().backward()
-                    elapsed = (time.perf_counter() - start) / args.steps
-                best[side] = min(best.get(side, float("inf")), elapsed)
-        print(name)
-        for side, seconds in best.items():
-            print(f"  {side:<30} {seconds * 1e3:8.2f} ms  {seconds / best['eager']:5.1f}x")
-        print(f"  training steps (ms per step, ratio to the plain optimizer's)")
+def bench_detect_anomaly(bench):
+    bench.section("detect_anomaly: one forward+backward step (ms)", f"{'model':<20}",
+                  extra=("eager",))
+    for name, model, x in models(bench.device):
+        def step():
+            model(x).square().mean().backward()
+
+        def nanfree_step():
+            with detect_anomaly(model=model):
+                step()
+
+        def torch_step():
+            with torch.autograd.detect_anomaly():
+                step()
+
+        bench.compare(dict(section="detect_anomaly", model=name), f"{name:<20}",
+                      {"nanfree": nanfree_step, "torch": torch_step, "compile": None,
+                       "eager": step}, (), "forward", 0)
+
+
+def bench_finite_guard(bench):
+    bench.section("FiniteGuard: one training step with Adam (ms; torch = the plain optimizer)",
+                  f"{'model':<20}{'Adam':<10}")
+    for name, model, x in models(bench.device):
         for fused in (False, True):
             plain = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
             guard = FiniteGuard(torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused),
-                                log_every=100)
-            steppers = {"Adam": plain, "FiniteGuard(Adam)": guard}
-            best = {}
-            for _ in range(args.rounds):
-                for side, optimizer in steppers.items():
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        optimizer.zero_grad()
-                        model(x).square().mean().backward()
-                        optimizer.step()
-                    elapsed = (time.perf_counter() - start) / args.steps
-                    best[side] = min(best.get(side, float("inf")), elapsed)
+                                log_every=10**9)
+
+            def stepper(optimizer):
+                def step():
+                    optimizer.zero_grad()
+                    model(x).square().mean().backward()
+                    optimizer.step()
+                return step
+
             kind = "fused" if fused else "for-loop"
-            for side, seconds in best.items():
-                print(f"    {side + ' ' + kind:<28} {seconds * 1e3:8.2f} ms  "
-                      f"{seconds / best['Adam']:6.3f}x")
+            bench.compare(dict(section="FiniteGuard", model=name, variant=kind),
+                          f"{name:<20}{kind:<10}",
+                          {"nanfree": stepper(guard), "torch": stepper(plain), "compile": None},
+                          (), "forward", 0)
+
+
+def summary(bench):
+    lines = []
+    anomaly = bc.select(bench.records, section="detect_anomaly")
+    if anomaly:
+        lines.append("detect_anomaly, per step (nanfree / eager; torch's detect_anomaly / eager):")
+        for r in anomaly:
+            lines.append(f"  {r['model']:<20} {r['nanfree_over_eager']:.2f}x eager "
+                         f"(torch's: {r['nanfree_over_eager'] * r['ratio']:.2f}x)")
+        lines.append(bc.target("detect_anomaly at most 1.5x the eager step", anomaly,
+                               key="nanfree_over_eager", at_most=1.5, describe_keys=("model",)))
+    guarded = bc.select(bench.records, section="FiniteGuard")
+    if guarded:
+        lines.append(bc.target("FiniteGuard's check at most 3% of a step (plain / guarded >= 0.97)",
+                               guarded, at_least=0.97, describe_keys=("model", "variant")))
+    return lines
+
+
+def main(argv=None):
+    args = bc.parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    args.no_compile = True  # nothing to compile: regions around eager code
+    warnings.simplefilter("ignore")
+    bench = bc.Bench(args, "debug")
+    bench_detect_anomaly(bench)
+    bench_finite_guard(bench)
+    bench.finish(summary(bench))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,14 @@ the region runs, forward and backward, for NaN and for +-inf, and raises
 How: a ``TorchDispatchMode`` sees every aten op (the autograd engine carries it
 to the backward); a ``TorchFunctionMode`` stamps each autograd node made in the
 forward with the call, module path and line that made it; global module hooks
-keep the stack of modules being run. Each output is checked by its sum (one
-reduction and one read; the exact ``isfinite`` only where the sum is not
-finite): this version costs about 3x a plain step (docs/debug.md has the
-figures), which is what remains of issue 20's speed goal (device flags,
-per-op bookkeeping in C++).
+keep the stack of modules being run. Each op's outputs are checked: contiguous
+CPU tensors by one C++ scan per op (nanfree._C.any_nonfinite), others by their
+sum (one reduction and one read; the exact ``isfinite`` only where the sum is
+not finite). A backward op's NaN or inf is reported only once it reaches its
+autograd node's outputs (a hook on the node): torch's backward formulas mask
+some intermediate values. This version costs about 2-3x a plain step
+(docs/debug.md has the figures); issue 20's speed goal (device flags, per-op
+bookkeeping in C++) remains.
 
 Under ``torch.compile``, code inside the region runs eagerly
 (``torch.compiler.set_stance("force_eager")``), so that every op is seen; a
@@ -286,6 +289,7 @@ class _Checker(TorchDispatchMode):
         self.check_inf = check_inf
         self.allow = tuple(allow)
         self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
+        self.pending = {}  # id(node) -> the first error of a backward node still running
 
     def _nonfinite(self, tensors):
         """Whether any of the tensors may hold NaN or +-inf. Contiguous CPU
@@ -376,8 +380,32 @@ class _Checker(TorchDispatchMode):
         minus_inf_in = any(x is not None and bool((x == float("-inf")).any()) for x in read)
         if all(self._allowed(op, module, t, minus_inf_in) for t in offending):
             return out
-        raise _error(op, phase, node, forward, module, location, inputs, outputs, offending,
-                     bad_inputs)
+        error = _error(op, phase, node, forward, module, location, inputs, outputs, offending,
+                       bad_inputs)
+        if node is None or bad_inputs:
+            raise error
+        self._defer(node, error)
+        return out
+
+    def _defer(self, node, error):
+        """A backward op's NaN or inf is reported only if it reaches its node's
+        outputs: torch's backward formulas compute some values that they then
+        mask (linalg_vector_norm's gradient at a zero vector divides 0 by 0 and
+        replaces the NaN by 0), so a non-finite intermediate is not yet a
+        non-finite gradient. The first one of a node is kept, and a hook run
+        when the node finishes raises it if an output is not finite."""
+        key = id(node)
+        if key in self.pending:
+            return
+        self.pending[key] = error
+
+        def finished(grad_inputs, grad_outputs):
+            kept = self.pending.pop(key, None)
+            outputs = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
+            if kept is not None and any(self._bad(g) for g in outputs):
+                raise kept
+
+        node.register_hook(finished)
 
 
 def _error(op, phase, node, forward, module, location, inputs, outputs, offending, bad_inputs):
