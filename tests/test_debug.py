@@ -328,3 +328,20 @@ def test_a_nan_a_backward_formula_masks_is_not_reported():
     with detect_anomaly():
         torch.nn.functional.normalize(x, p=0.5).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@independent
+def test_the_nan_workflow_example_prints_what_its_page_shows(capsys):
+    # docs/nan_workflow.md quotes this example's output: keep the two in step.
+    import os
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runpy.run_path(os.path.join(root, "docs", "examples", "nan_example.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    page = open(os.path.join(root, "docs", "nan_workflow.md")).read()
+    for line in ("RuntimeError: Function 'PowBackward0' returned nan values in its 0th output.",
+                 "NonFiniteError: nanfree.debug.detect_anomaly: aten.div.Tensor produced NaN in "
+                 "the forward", "  module: pool", "  module: Net.pool",
+                 "step skipped: 1 skipped, parameters unchanged: True"):
+        assert line in out and line in page, line
