@@ -65,10 +65,16 @@ class FiniteGuard:
     ``clip_grad_norm_``) before the step, never writing NaN. ``log_every``: read
     the skip count every so many steps and warn about new skips (0: never;
     ``skipped_steps`` still counts them). ``locate``: localize a skipped step
-    given as a closure with ``nanfree.debug.detect_anomaly``.
+    given as a closure with ``nanfree.debug.detect_anomaly``. ``process_group``:
+    under torch.distributed (initialized, more than one rank) the skip flag is
+    reduced (max) over this group, the default group when None, so that every
+    rank skips the same steps (DDP's ranks already see the same gradients, but
+    not the same loss; FSDP's see their own shards); ``sync_ranks=False`` keeps
+    each rank's own decision.
     """
 
-    def __init__(self, optimizer, *, clip_norm=None, norm_type=2.0, log_every=100, locate=False):
+    def __init__(self, optimizer, *, clip_norm=None, norm_type=2.0, log_every=100, locate=False,
+                 process_group=None, sync_ranks=True):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("nanfree.optim.FiniteGuard: `optimizer` must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
@@ -83,6 +89,8 @@ class FiniteGuard:
         self.norm_type = float(norm_type)
         self.log_every = log_every
         self.locate = bool(locate)
+        self.process_group = process_group
+        self.sync_ranks = bool(sync_ranks)
         self.steps = 0
         self.skipped = None  # device counter of skipped steps (int64), made on first use
         self._skipped_before = 0  # skips counted before a load_state_dict
@@ -168,6 +176,18 @@ class FiniteGuard:
             found.fill_(1.0)
         return found
 
+    def _agreed(self, found):
+        """The flag, reduced (max) over the ranks when torch.distributed runs: one
+        all_reduce of one float, queued on the device's stream with NCCL (no host
+        sync); with gloo, a blocking exchange of that float on the host."""
+        import torch.distributed as dist
+
+        if not (self.sync_ranks and dist.is_available() and dist.is_initialized()) or \
+                dist.get_world_size(self.process_group) <= 1:
+            return found
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
+
     def _clip(self, params, found):
         """Clip by the total norm (per-gradient norms in float32, so a float16 norm
         cannot overflow); where found is set (the step is skipped) the gradients
@@ -247,7 +267,7 @@ class FiniteGuard:
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
-        found = self._found(params, loss)
+        found = self._agreed(self._found(params, loss))
         if self.clip_norm is not None:
             self._clip(params, found)
         if self._first_state(params):

@@ -233,3 +233,40 @@ def test_state_dict_keeps_the_skip_count_and_lbfgs_gets_its_closure():
     first = float(closure())
     lbfgs.step(closure)
     assert float(closure()) < first
+
+
+# --- under torch.distributed: every rank skips the same steps ----------------------------
+
+
+def _ranks_worker(rank, init_file, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        for sync in (True, False):
+            torch.manual_seed(0)  # the same model on every rank
+            model = torch.nn.Linear(4, 2)
+            guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), sync_ranks=sync,
+                                log_every=0)
+            before = [p.detach().clone() for p in model.parameters()]
+            x = torch.ones(3, 4)
+            if rank == 1:
+                x[0, 0] = float("nan")  # only rank 1's gradients are NaN
+            model(x).sum().backward()
+            guard.step()
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            # With the flag reduced, rank 0 skips too; without, it applies its finite step.
+            want = True if sync else rank == 1
+            assert unchanged == want, (rank, sync, unchanged)
+            assert guard.skipped_steps == int(want), (rank, sync, guard.skipped_steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_skips_the_same_steps(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ranks_worker, args=(str(tmp_path / "init"), 2), nprocs=2, join=True)
