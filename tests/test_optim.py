@@ -270,3 +270,51 @@ def test_every_rank_skips_the_same_steps(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_ranks_worker, args=(str(tmp_path / "init"), 2), nprocs=2, join=True)
+
+
+# --- no host sync in a steady step ------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip):
+    # The ways a step could wait for the device: reading a tensor's value on
+    # the host. After the first step (which reads the flag once, so that a
+    # skipped first step creates no state), a guarded step, skipped or not,
+    # reads nothing more than the plain optimizer's own step does (for-loop
+    # Adam reads its step counters; on a GPU each read would be a sync).
+    def run(guarded):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+        guard = FiniteGuard(optimizer, clip_norm=clip, log_every=0) if guarded else None
+        x = torch.randn(5, 4)
+
+        def step(bad):
+            optimizer.zero_grad()
+            loss = model(x * (float("nan") if bad else 1.0)).square().mean()
+            loss.backward()
+            if guarded:
+                guard.step(loss=loss)
+            else:
+                optimizer.step()
+
+        step(False)
+        reads = []
+        with monkeypatch.context() as patch:
+            for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+                original = getattr(torch.Tensor, name)
+
+                def counting(self, *args, _original=original, _name=name, **kwargs):
+                    reads.append(_name)
+                    return _original(self, *args, **kwargs)
+
+                patch.setattr(torch.Tensor, name, counting)
+            for bad in (False, True, False, True):
+                step(bad and guarded)  # the plain optimizer steps on finite gradients
+        return reads, guard
+
+    plain, _ = run(False)
+    guarded, guard = run(True)
+    assert guarded == plain, (guarded, plain)
+    assert guard.skipped_steps == 2
