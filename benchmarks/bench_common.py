@@ -344,7 +344,8 @@ class Bench:
         base = os.path.join(self.out_dir, self.family)
         write_csv(self.records, base + ".csv")
         written = [base + ".csv"]
-        if plot_fn is not None and plot_fn(self.records, base + ".png"):
+        drew = plot_fn is not None and plot_fn(self.records, base + ".png")
+        if drew:
             written.append(base + ".png")
         run = f"run time: {time.time() - self.started:.0f} s"
         cores = len(os.sched_getaffinity(0))
@@ -356,7 +357,8 @@ class Bench:
             f.write(f"# nanfree {self.family} benchmark\n\n```\n")
             f.write("\n".join(self.header + [run, ""] + summary_lines) + "\n```\n\n")
             f.write(f"Records: `{self.family}.csv` (ratio = baseline time / nanfree time, above 1 "
-                    f"= nanfree faster); picture: `{self.family}.png`.\n")
+                    f"= nanfree faster)" + (f"; picture: `{self.family}.png`" if drew else "")
+                    + ".\n")
         written.append(base + ".md")
         import overview  # here: it reads the CSV just written, and imports this module
         written += overview.write(self.out_dir)

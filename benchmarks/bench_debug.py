@@ -104,6 +104,10 @@ def summary(bench):
                                key="nanfree_over_eager", at_most=1.5, describe_keys=("model",)))
     guarded = bc.select(bench.records, section="FiniteGuard")
     if guarded:
+        lines.append("FiniteGuard, per training step (guarded / plain optimizer):")
+        for r in guarded:
+            lines.append(f"  {r['model']:<20} {r['variant'] + ' Adam':<15} {r['nanfree_ms']:.2f} ms "
+                         f"against {r['torch_ms']:.2f} ms: {1 / r['ratio']:.2f}x")
         lines.append(bc.target("FiniteGuard's check at most 3% of a step (plain / guarded >= 0.97)",
                                guarded, at_least=0.97, describe_keys=("model", "variant")))
     return lines
