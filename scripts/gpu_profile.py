@@ -38,6 +38,9 @@ def cases():
             lambda a, b: _forward_backward(lambda x, y: nf.cosine_similarity(x, y, dim=-1), a, b),
             (_rows(262144, 768, bf16, True), _rows(262144, 768, bf16, True))),
         "normalize-fwd": lambda: (lambda a: nf.normalize(a, dim=-1), (_rows(262144, 768, bf16),)),
+        "normalize-fwdbwd": lambda: (
+            lambda a: _forward_backward(lambda x: nf.normalize(x, dim=-1), a),
+            (_rows(262144, 768, bf16, True),)),
         "gem_pool2d-fwd": lambda: (lambda x, p: nf.gem_pool2d(x, p),
                                    (torch.rand(64, 2048, 14, 14, device="cuda", dtype=fp32) + 0.1,
                                     torch.tensor([3.0], device="cuda"))),

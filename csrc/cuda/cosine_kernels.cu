@@ -16,9 +16,10 @@
 // group reads consecutive 16-byte pieces. Rows of up to 32 vectors get the
 // smallest group that covers them (several rows per warp for short rows,
 // e.g. a 128-float row takes one warp and a 64-float row half of one).
-// The forwards of many (4096 and more) longer rows (33 to 2048 vectors) take
-// the warp-per-row kernels below instead: one pass of unscaled sums, with the
-// scaled passes only for the rows the rules need them for.
+// The forwards and normalize's backward of many (4096 and more) longer rows
+// (33 to 2048 vectors) take the warp-per-row kernels below instead: the
+// forwards one pass of unscaled sums, with the scaled passes only for the
+// rows the rules need them for.
 //
 // Caching. When the row fits (kIters vectors per thread; 32 float or 16
 // double accumulators per thread in all, shared by the cached operands, and
@@ -603,7 +604,45 @@ __global__ void __launch_bounds__(kWarpRowThreads)
   }
 }
 
-// Whether the warp-per-row forwards take a problem: rows of more than a
+// normalize backward, a warp per row: dot = sum(g * y) (and at the scale
+// 2^-64: a GradSum) in one pass, one warp reduction, then the row again (from
+// cache) for normalize_grad_value per entry; no block-wide sync.
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kWarpRowThreads)
+    normalize_backward_warp_kernel(const scalar_t* __restrict__ grad,
+                                   const scalar_t* __restrict__ output,
+                                   const acc_of_t<scalar_t>* __restrict__ stats,
+                                   scalar_t* __restrict__ grad_input, int64_t rows, int64_t d) {
+  using acc_t = acc_of_t<scalar_t>;
+  const WarpRows w = warp_rows_of_thread();
+  const int64_t nvec = d / kVec;
+  for (int64_t row = w.first; row < rows; row += w.stride) {
+    const scalar_t* g_row = grad + row * d;
+    const scalar_t* y_row = output + row * d;
+    acc_t dot[2] = {acc_t(0), acc_t(0)};
+#pragma unroll 4
+    for (int64_t vi = w.lane; vi < nvec; vi += kWarp) {
+      acc_t g[kVec], y[kVec];
+      load_acc<kVec>(g_row + vi * kVec, g);
+      load_acc<kVec>(y_row + vi * kVec, y);
+      accumulate_dots(dot, g, y);
+    }
+    group_reduce(dot, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
+    const GradSum<acc_t> dots{dot[0], dot[1]};
+    const acc_t p = stats[2 * row];
+    const acc_t grad_factor = stats[2 * row + 1];
+    scalar_t* d_row = grad_input + row * d;
+#pragma unroll 4
+    for (int64_t vi = w.lane; vi < nvec; vi += kWarp) {
+      acc_t g[kVec], y[kVec];
+      load_acc<kVec>(g_row + vi * kVec, g);
+      load_acc<kVec>(y_row + vi * kVec, y);
+      store_normalize_grad(d_row, vi, g, y, dots, p, grad_factor);
+    }
+  }
+}
+
+// Whether the warp-per-row kernels (the forwards, normalize's backward) take a problem: rows of more than a
 // warp's vectors (shorter rows share a warp in the group kernels), up to 64
 // vectors per lane (longer rows want more threads per row), and enough rows
 // to give every SM many warps. The emulated test builds lower the row count,
@@ -685,6 +724,15 @@ cudaError_t normalize_backward(const scalar_t* grad, const scalar_t* output,
   if (rows <= 0 || d <= 0) return cudaSuccess;
   const bool vec = d % vec_width<scalar_t>() == 0 && aligned16(grad) && aligned16(output) &&
                    aligned16(grad_input);
+  if (warp_rows(rows, d / (vec ? vec_width<scalar_t>() : 1))) {
+    return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
+      constexpr int kVec = decltype(vec_c)::value;
+      normalize_backward_warp_kernel<scalar_t, kVec>
+          <<<warp_row_blocks(rows), kWarpRowThreads, 0, stream>>>(grad, output, stats,
+                                                                 grad_input, rows, d);
+      return cudaGetLastError();
+    });
+  }
   const Plan p = reduction_plan<scalar_t>(rows, d, vec, cached_iters<scalar_t>(Cached::TwoOperands, vec ? vec_width<scalar_t>() : 1));
   return dispatch_vec<scalar_t>(p.vec, [&](auto vec_c) {
     constexpr int kVec = decltype(vec_c)::value;
