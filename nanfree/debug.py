@@ -304,6 +304,11 @@ class _Checker(TorchDispatchMode):
             found = _any_nonfinite(tensors, self.check_inf)
             if found >= 0:  # -1: a tensor the C++ scan does not read
                 return bool(found)
+        return self._sums_nonfinite(tensors)
+
+    @staticmethod
+    def _sums_nonfinite(tensors):
+        """_nonfinite's check of the tensors the C++ scan does not read: their sums."""
         for t in tensors:
             x = _checked(t)
             if x is None:
@@ -321,7 +326,7 @@ class _Checker(TorchDispatchMode):
             found = _any_nonfinite([t], self.check_inf)
             if found >= 0:
                 return bool(found)
-        if not self._nonfinite([t]):
+        if not self._sums_nonfinite([t]):
             return False
         x = _checked(t)  # the exact check: a sum may also overflow from finite entries
         return bool((~torch.isfinite(x) if self.check_inf else torch.isnan(x)).any())
