@@ -323,25 +323,13 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     # negatives[:, j] of a [B, k, d] negatives (one block of the op; k = 0
     # too, so that its gradient is zeros, as torch's), then shared candidates.
     if isinstance(negatives, (list, tuple)):  # k columns [B, d], each a block
-        owned, shared, owned_blocks = [positives, *negatives], [], 1 + len(negatives)
+        docs, owned_blocks = [positives, *negatives], 1 + len(negatives)
+    elif negatives is not None and negatives.dim() == 3:
+        docs, owned_blocks = [positives, negatives], 1 + negatives.shape[1]
     else:
-        hard = negatives is not None and negatives.dim() == 3
-        owned = [positives] + ([negatives] if hard else [])
-        shared = [negatives] if negatives is not None and not hard else []
-        owned_blocks = 1 + (negatives.shape[1] if hard else 0)
-    return _mnr_loss_of_blocks(queries, owned, shared, owned_blocks, dtype, scale_tensor,
-                               scale_value, bits, per_direction, hardness, strength, red,
-                               gather_across_devices, negatives)
-
-
-def _mnr_loss_of_blocks(queries, owned, shared, owned_blocks, dtype, scale_tensor, scale_value,
-                        bits, per_direction, hardness, strength, red, gather_across_devices,
-                        negatives):
-    """mnr_loss on checked arguments: the docs as the op's blocks, `owned` (the
-    positives, then [B, d] or [B, k, d] blocks of hard negatives) and `shared`
-    ([N, d] candidates); nanfree.nn's module passes its columns here as they are."""
+        docs, owned_blocks = [positives] + ([] if negatives is None else [negatives]), 1
     rows = queries.shape[0]
-    docs = [block.to(dtype) for block in owned + shared]
+    docs = [block.to(dtype) for block in docs]
     queries = queries.to(dtype)
     offset = 0
     import torch.distributed as dist

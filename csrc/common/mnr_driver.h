@@ -243,21 +243,19 @@ class MnrChunked {
   // [R', k, d] block as its k blocks [:, j] of R' rows) and their statistics
   // [M, 2]: the working copy of the kernels, made from the blocks where they
   // lie (a single [n, d] block is normalized as it is, with no copy).
-  static std::tuple<at::Tensor, at::Tensor> normalized_docs(at::TensorList docs) {
+  std::tuple<at::Tensor, at::Tensor> normalized_docs(at::TensorList docs) const {
     static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
     if (docs.size() == 1 && docs[0].dim() == 2) {
       return normalize.call(docs[0].contiguous(), kMnrNormalizeEps);
     }
     at::Tensor out, stats;
-    int64_t m = 0;
-    for (const at::Tensor& block : docs) m += mnr_block_rows(block);
     int64_t start = 0;
     for (const at::Tensor& block : docs) {
       const int64_t n = mnr_block_rows(block);
       auto [hat, st] = normalize.call(block.contiguous(), kMnrNormalizeEps);
       if (!out.defined()) {
-        out = at::empty({m, block.size(-1)}, hat.options());
-        stats = at::empty({m, st.size(-1)}, st.options());
+        out = at::empty({p_.m, p_.d}, hat.options());
+        stats = at::empty({p_.m, st.size(-1)}, st.options());
       }
       at::Tensor rows = out.narrow(0, start, n);
       at::Tensor row_stats = stats.narrow(0, start, n);
