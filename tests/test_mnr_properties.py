@@ -411,3 +411,37 @@ def test_reduced_backward_allocates_each_gradient_once():
     grads, allocated = cpu_allocated_bytes(lambda: torch.autograd.grad(loss, (q, p)))
     gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
     assert gradient_bytes <= allocated <= 1.25 * gradient_bytes, (allocated, gradient_bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("negatives", [0, 1])
+def test_bfloat16_gradients_saturate_and_match_the_oracle(device, negatives):
+    """bfloat16 embeddings: the gradient GEMMs take scale * dlogit rounded to
+    bfloat16 (the CPU's MKL bfloat16 GEMM, CUDA's mm.dtype), saturated first, so
+    a huge upstream gradient at scale 1e4 gives finite (saturated) gradients, and
+    an ordinary one loss and gradients within 2x the composed bfloat16 loss's error."""
+    gen = torch.Generator().manual_seed(3)
+    b, d = 96, 40
+    q, p, n = (torch.randn(b, d, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    args = (q, p, n) if negatives else (q, p)
+    loss = nf.mnr_loss(*args, scale=1e4)
+    grads = torch.autograd.grad(loss, args, torch.tensor(3e38, device=device))
+    assert all(torch.isfinite(g).all() for g in grads)
+    loss = nf.mnr_loss(*args, scale=20.0)
+    grads = torch.autograd.grad(loss, args)
+
+    def composed(tensors):
+        return composed_mnr_loss(tensors[0], tensors[1],
+                                 tensors[2][:, None] if negatives else None, scale=20.0)
+
+    ref_args = [t.detach().double().requires_grad_(True) for t in args]
+    ref = composed(ref_args)
+    ref_grads = torch.autograd.grad(ref, ref_args)
+    torch_args = [t.detach().clone().requires_grad_(True) for t in args]
+    torch_loss = composed(torch_args)
+    torch_grads = torch.autograd.grad(torch_loss, torch_args)
+    # The 2x-torch-error rule against torch's composed bfloat16 loss.
+    assert abs(loss.double() - ref) <= 2 * abs(torch_loss.double() - ref)
+    for g, t, r in zip(grads, torch_grads, ref_grads):
+        assert (g.double() - r).abs().max() <= 2 * (t.double() - r).abs().max()

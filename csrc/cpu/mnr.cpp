@@ -3,6 +3,15 @@
 // float or double operands and these tile kernels, which apply mnr_math.h to
 // each row of a chunk of cosines.
 //
+// bfloat16 embeddings, where the MKL that torch links has
+// cblas_gemm_bf16bf16f32 (x86 builds; AMX or AVX512-BF16 run it several
+// times faster than a float32 GEMM): the operands stay bfloat16 and the GEMMs
+// sum their exact products in float32, as the CUDA backend's mm.dtype does;
+// the gradient GEMMs take the chunk of scale * dlogit saturated to bfloat16's
+// range and rounded to it (csrc/cuda/mnr.cpp says why). Elsewhere, and for
+// float16 (MKL's float16 GEMM is no faster than float32's on CPUs without
+// AMX-FP16), half operands are converted to float up front.
+//
 // A row is swept with vectors at its segments' default column kinds
 // (mnr_default_kind); its own columns (mnr_own_columns: the positive, the
 // query's other docs, itself) are then redone one by one with
@@ -14,7 +23,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -26,21 +38,79 @@
 #include "nanfree/mnr_math.h"
 #include "nanfree/numerics.h"
 
+// MKL's bfloat16 GEMM with a float32 result (declared weak: nullptr at run
+// time when the linked torch has no MKL). The integer arguments are passed as
+// 64-bit, right for MKL's LP64 and ILP64 interfaces alike on x86-64 for values
+// below 2^31 (checked by the caller).
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int64_t m, int64_t n,
+                                       int64_t k, float alpha, const void* a, int64_t lda,
+                                       const void* b, int64_t ldb, float beta, float* c,
+                                       int64_t ldc) __attribute__((weak));
+
 namespace nanfree {
 namespace {
 
 using cpu::Vec;
+
+// Entries of cosines per parallel task.
+constexpr int64_t kGrainEntries = 1 << 15;
+
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrainEntries / std::max<int64_t>(cols, 1)); }
+
+constexpr int kCblasRowMajor = 101;
+constexpr int kCblasNoTrans = 111;
+constexpr int kCblasTrans = 112;
+
+bool has_bf16_gemm() { return &cblas_gemm_bf16bf16f32 != nullptr; }
+
+// c (float [m, n], row stride ldc) = beta * c + a @ b^T (transb) or a @ b,
+// a and b bfloat16 with unit column stride; a_transposed: a is stored [k, m].
+void bf16_gemm(const at::Tensor& a, bool a_transposed, const at::Tensor& b, bool b_transposed,
+               at::Tensor& c, float beta) {
+  const int64_t m = c.size(0), n = c.size(1);
+  const int64_t k = a_transposed ? a.size(0) : a.size(1);
+  TORCH_INTERNAL_ASSERT(a.stride(1) == 1 && b.stride(1) == 1 && c.stride(1) == 1 &&
+                        c.scalar_type() == at::kFloat);
+  const int64_t limit = std::numeric_limits<int32_t>::max();
+  TORCH_INTERNAL_ASSERT(m < limit && n < limit && k < limit && a.stride(0) < limit &&
+                        b.stride(0) < limit && c.stride(0) < limit);
+  if (m == 0 || n == 0) return;
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, a_transposed ? kCblasTrans : kCblasNoTrans,
+                         b_transposed ? kCblasTrans : kCblasNoTrans, m, n, k, 1.0f,
+                         a.const_data_ptr(), std::max<int64_t>(a.stride(0), 1),
+                         b.const_data_ptr(), std::max<int64_t>(b.stride(0), 1), beta,
+                         c.mutable_data_ptr<float>(), std::max<int64_t>(c.stride(0), 1));
+}
+
+// The bfloat16 GEMM operand of a float matrix with unit column stride:
+// saturated to bfloat16's range (saturate_vec, numerics.h's saturate: an inf
+// there would meet a 0 embedding entry and make NaN; NaN stays), rounded to
+// nearest even.
+at::Tensor bf16_operand(const at::Tensor& a) {
+  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.stride(1) == 1 && a.scalar_type() == at::kFloat);
+  at::Tensor out = at::empty(a.sizes(), a.options().dtype(at::kBFloat16));
+  const int64_t cols = a.size(1), in_stride = a.stride(0);
+  const float* in = a.const_data_ptr<float>();
+  at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
+  using V = Vec<float>;
+  const V hi(cpu::largest_finite<at::BFloat16>()), lo(-cpu::largest_finite<at::BFloat16>());
+  at::parallel_for(0, a.size(0), row_grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t j = 0; j < cols; j += V::size()) {
+        const int64_t count = std::min<int64_t>(V::size(), cols - j);
+        cpu::store_vec(cpu::saturate_vec(V::loadu(in + i * in_stride + j, count), hi, lo),
+                       dst + i * cols + j, count);
+      }
+    }
+  });
+  return out;
+}
 
 // How many own columns a row of the tile can have: one per owned block, and
 // the query itself.
 int max_own_columns(const MnrTile& tile) {
   return static_cast<int>(tile.owned_end / tile.r) + 1;
 }
-
-// Entries of cosines per parallel task.
-constexpr int64_t kGrainEntries = 1 << 15;
-
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrainEntries / std::max<int64_t>(cols, 1)); }
 
 // Whether each segment's default columns are penalized (mnr_default_kind).
 struct SegmentKinds {
@@ -126,15 +196,27 @@ struct CpuMnrTiles {
   static constexpr int64_t kChunkEntries = int64_t(1) << 22;
 
   static at::Tensor operand(const at::Tensor& matrix) {
+    if (matrix.scalar_type() == at::kBFloat16 && has_bf16_gemm()) return matrix.contiguous();
     return matrix.to(acc_dtype(matrix.scalar_type())).contiguous();
   }
 
   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
-    return at::mm(rows, columns.t());
+    if (rows.scalar_type() != at::kBFloat16) return at::mm(rows, columns.t());
+    at::Tensor out = at::empty({rows.size(0), columns.size(0)}, rows.options().dtype(at::kFloat));
+    bf16_gemm(rows, false, columns, true, out, 0.0f);
+    return out;
   }
 
+  // out += a @ b; a float (the chunk's scale * dlogit, or a transposed column
+  // slice of it), b an operand matrix.
   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
-    out.addmm_(a, b);
+    if (b.scalar_type() != at::kBFloat16) {
+      out.addmm_(a, b);
+      return;
+    }
+    const bool transposed = a.stride(1) != 1;
+    const at::Tensor a_bf16 = bf16_operand(transposed ? a.t() : a);
+    bf16_gemm(a_bf16, transposed, b, false, out, 1.0f);
   }
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
