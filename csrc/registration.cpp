@@ -5,6 +5,8 @@
 // csrc/autocast.cpp and the fake kernels by nanfree/_ops/<family>.py.
 #include <torch/library.h>
 
+#include <string>
+
 TORCH_LIBRARY(nanfree, m) {
   // Softmax family over dimension `dim` (negative counts from the end; a 0-d
   // input is one row of one entry). `mask` is None or a bool or integer
@@ -88,4 +90,16 @@ TORCH_LIBRARY(nanfree, m) {
       "float scale_value, Tensor stats, int offset, int rows, int owned_blocks, int directions, "
       "bool per_direction, int hardness_mode, float hardness_strength, int reduction) -> "
       "(Tensor, Tensor, Tensor)");
+
+  // Elementwise family, unary ops (torch's sqrt, log, log1p, acos, asin with
+  // the rules of elementwise_math.h). `input` of any dtype but complex
+  // (integer and bool promote to the default float dtype), any shape and
+  // strides; the output has torch's dtype and layout. <op>_backward gives
+  // grad * the order-th derivative at `input` (order 1 or 2; `grad` of the
+  // input's shape and floating dtype), saturated to the dtype's range; it is
+  // differentiable once (order 1 through order 2), as double backward needs.
+  for (const char* op : {"sqrt", "log", "log1p", "acos", "asin"}) {
+    m.def((std::string(op) + "(Tensor input) -> Tensor").c_str());
+    m.def((std::string(op) + "_backward(Tensor grad, Tensor input, int order=1) -> Tensor").c_str());
+  }
 }

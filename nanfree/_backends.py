@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from ._ops import cosine, gem, mnr, softmax
+from ._ops import cosine, elementwise, gem, mnr, softmax
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 
@@ -33,7 +33,8 @@ BACKENDS = ("cpu", "cuda", "triton", "torch")
 # and fake kernels (register()). Each Python backend holds one module per
 # family, nanfree._triton.<family> and nanfree._torch_backend.<family>, with one
 # function per op named as the op.
-FAMILIES = {"softmax": softmax, "cosine": cosine, "gem": gem, "mnr": mnr}
+FAMILIES = {"softmax": softmax, "cosine": cosine, "gem": gem, "mnr": mnr,
+            "elementwise": elementwise}
 
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",

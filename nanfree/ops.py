@@ -28,7 +28,7 @@ from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim", "gem",
-    "gem_pool2d", "mnr_loss",
+    "gem_pool2d", "mnr_loss", "sqrt", "log", "log1p", "acos", "asin",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -353,3 +353,52 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
     except RuntimeError:
         refuse_torch_func("mnr_loss", queries, *docs, scale_tensor)
         raise
+
+
+# --- elementwise ops with finite gradients (docs/elementwise.md) -----------------------
+
+
+def _unary(op, input, out):
+    """torch.<op>(input, out=out) through nanfree's op of that name."""
+    check_tensors(op, input=input)
+    if out is not None:
+        check_tensors(op, out=out)
+        if torch.is_grad_enabled() and (input.requires_grad or out.requires_grad):
+            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
+                               f"automatic differentiation, but one of the arguments requires "
+                               f"grad (as torch.{op})")
+    try:
+        result = getattr(torch.ops.nanfree, op)(input)
+    except RuntimeError:
+        refuse_torch_func(op, input)
+        raise
+    return result if out is None else _into_out(op, out, result)
+
+
+def sqrt(input, *, out=None):
+    """``torch.sqrt``: 0 with gradient 0 below 0 (the square root of the clamp) and
+    gradient 0 at 0, where torch's is inf."""
+    return _unary("sqrt", input, out)
+
+
+def log(input, *, out=None):
+    """``torch.log``: -inf with gradient 0 at and below 0 (the log of the clamp), where
+    torch's value is NaN below 0 and its gradient inf at 0."""
+    return _unary("log", input, out)
+
+
+def log1p(input, *, out=None):
+    """``torch.log1p``: -inf with gradient 0 at and below -1."""
+    return _unary("log1p", input, out)
+
+
+def acos(input, *, out=None):
+    """``torch.acos``: inputs beyond +-1 (infinities included) take the clamp's value;
+    gradient 0 at and beyond +-1, where torch's is -inf or NaN."""
+    return _unary("acos", input, out)
+
+
+def asin(input, *, out=None):
+    """``torch.asin``: inputs beyond +-1 take the clamp's value; gradient 0 at and
+    beyond +-1."""
+    return _unary("asin", input, out)

@@ -168,6 +168,13 @@ def calls(quick):
                         negatives = leaf(6, k, d, dtype=dtype) if k else None
                         backward(ops.mnr_loss(q, p, negatives, **kwargs))
                     found.append((f"mnr_loss {dtype} d={d} k={k} {opt}", mnr_call))
+        for op in ("sqrt", "log", "log1p", "acos", "asin"):
+            def unary_call(op=op, dtype=dtype):
+                # The value, the derivative and (double backward) the second derivative.
+                x = (torch.rand(1000) * 0.5).to(dtype).requires_grad_()
+                (g,) = torch.autograd.grad(getattr(ops, op)(x).sum(), x, create_graph=True)
+                backward(g)
+            found.append((f"{op} {dtype}", unary_call))
     return found
 
 

@@ -1,0 +1,115 @@
+// The elementwise family's C++ side shared by every backend (C++, CUDA,
+// Triton, pure torch): the autograd of the unary ops, registered once at the
+// Autograd key. <op> saves its input; its node's backward is
+// <op>_backward(grad, input, 1), grad times the derivative of
+// elementwise_math.h. That backward op is itself differentiable (DESIGN.md
+// rule 6, gradient penalties): in `grad` its derivative is the same op, in
+// `input` it is <op>_backward(gg * grad, input, 2), the second derivative
+// under the same rules. A third derivative is refused clearly.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "common/autograd.h"
+#include "common/elementwise_op.h"
+#include "common/find_op.h"
+#include "nanfree/elementwise_math.h"
+
+namespace nanfree {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using UnarySignature = at::Tensor(const at::Tensor&);
+using UnaryBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+
+template <UnaryOp op>
+at::Tensor call_unary(const at::Tensor& input) {
+  static const auto handle = find_op<UnarySignature>(std::string("nanfree::") + unary_op_name(op));
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return handle.call(input);
+}
+
+template <UnaryOp op>
+at::Tensor call_unary_backward_below_autograd(const at::Tensor& grad, const at::Tensor& input,
+                                              int64_t order) {
+  static const auto handle =
+      find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return handle.call(grad, input, order);
+}
+
+// Through the whole dispatcher, autograd included: called from a node's
+// backward, so that with create_graph=True the gradient records its node.
+template <UnaryOp op>
+at::Tensor unary_backward_op(const at::Tensor& grad, const at::Tensor& input, int64_t order) {
+  static const auto handle =
+      find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
+  return handle.call(grad, input, order);
+}
+
+template <UnaryOp op>
+struct NanfreeUnaryBackward final : torch::autograd::Function<NanfreeUnaryBackward<op>> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input) {
+    ctx->save_for_backward({input});
+    ctx->set_materialize_grads(false);
+    return {call_unary<op>(input)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor()};
+    return {unary_backward_op<op>(grads[0], ctx->get_saved_variables()[0], 1)};
+  }
+};
+
+// The node of <op>_backward (recorded with create_graph=True).
+template <UnaryOp op>
+struct NanfreeUnaryBackwardBackward final
+    : torch::autograd::Function<NanfreeUnaryBackwardBackward<op>> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad,
+                               const at::Tensor& input, int64_t order) {
+    ctx->save_for_backward({grad, input});
+    ctx->saved_data["order"] = order;
+    ctx->set_materialize_grads(false);
+    return {call_unary_backward_below_autograd<op>(grad, input, order)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor& gg = grads[0];
+    if (!gg.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t order = ctx->saved_data["order"].toInt();
+    at::Tensor d_grad, d_input;
+    if (ctx->needs_input_grad(0)) d_grad = unary_backward_op<op>(gg, saved[1], order);
+    if (ctx->needs_input_grad(1)) {
+      TORCH_CHECK(order == 1, "nanfree: ", unary_backward_name(op),
+                  "(order=2) has no derivative in `input`: the third derivative of the "
+                  "elementwise family is not implemented");
+      d_input = unary_backward_op<op>(gg * saved[0], saved[1], 2);
+    }
+    return {d_grad, d_input, at::Tensor()};
+  }
+};
+
+template <UnaryOp op>
+struct UnaryAutograd {
+  static at::Tensor forward(const at::Tensor& input) {
+    if (!needs_graph(input)) return call_unary<op>(input);
+    return NanfreeUnaryBackward<op>::apply(input)[0];
+  }
+
+  static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input, int64_t order) {
+    if (!any_needs_graph(grad, input)) {
+      return call_unary_backward_below_autograd<op>(grad, input, order);
+    }
+    return NanfreeUnaryBackwardBackward<op>::apply(grad, input, order)[0];
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, Autograd, m) { register_unary_kernels<UnaryAutograd>(m); }
+
+}  // namespace nanfree

@@ -1,0 +1,89 @@
+"""Properties of the elementwise family's unary ops on the backend this session
+selects: every float16 and bfloat16 bit pattern (all 65536 of each) gives a
+value that is finite or the exact infinity the rules allow and finite first
+and second derivatives, NaN exactly where the input is NaN; and the 2x-torch-
+error rule of DESIGN.md section 1.4 for values and gradients at random points
+where torch is finite (float32, float16, bfloat16 against float64; float64
+within torch.testing.assert_close of torch's)."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES, HALF_DTYPES
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nanfree.ops as nf
+
+OPS = ("sqrt", "log", "log1p", "acos", "asin")
+
+
+def _all_bit_patterns(dtype):
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _allowed_infinity(op, x, y):
+    """Where the exact value is infinite (DESIGN.md 2: log at and below its edge, +inf at +inf)."""
+    if op in ("acos", "asin"):
+        return torch.zeros_like(x, dtype=torch.bool)
+    edge = -1.0 if op == "log1p" else 0.0
+    below = (x <= edge) & (y == -math.inf)
+    return below | ((x == math.inf) & (y == math.inf))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_every_half_bit_pattern(device, op, dtype):
+    x = _all_bit_patterns(dtype).to(device).requires_grad_(True)
+    y = getattr(nf, op)(x)
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y), create_graph=True)
+    (gg,) = torch.autograd.grad(g, x, torch.ones_like(g))
+    nan_in = torch.isnan(x.detach())
+    for name, t in (("value", y.detach()), ("derivative", g.detach()), ("second", gg)):
+        assert torch.equal(torch.isnan(t), nan_in), f"{name}: NaN not exactly where x is NaN"
+    finite_or_allowed = torch.isfinite(y.detach()) | _allowed_infinity(op, x.detach(), y.detach())
+    assert bool((finite_or_allowed | nan_in).all())
+    assert bool((torch.isfinite(g.detach()) | nan_in).all())
+    assert bool((torch.isfinite(gg) | nan_in).all())
+
+
+def _error(ours, ref):
+    return (ours.double() - ref).abs().max().item() if ours.numel() else 0.0
+
+
+def _floor(dtype, ref):
+    # Half an ulp of the dtype at the reference's largest magnitude: the rounding every
+    # result in that dtype may carry, torch's included.
+    return torch.finfo(dtype).eps * max(ref.abs().max().item(), torch.finfo(dtype).tiny)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_error_at_most_twice_torch(device, op, dtype, seed, scale):
+    gen = torch.Generator().manual_seed(seed)
+    n = 256
+    raw = torch.randn(n, generator=gen, dtype=torch.float64)
+    x = {"sqrt": raw.abs() * scale, "log": raw.abs() * scale, "log1p": raw.abs() * scale - 0.99,
+         "acos": torch.tanh(raw), "asin": torch.tanh(raw)}[op].to(dtype)
+    ref_x = x.double().requires_grad_(True)
+    ref = getattr(torch, op)(ref_x)
+    (ref_g,) = torch.autograd.grad(ref.sum(), ref_x)
+    keep = torch.isfinite(ref) & torch.isfinite(ref_g)
+    for name in ("nanfree", "torch"):
+        xi = x.to(device).requires_grad_(True)
+        yi = (getattr(nf, op) if name == "nanfree" else getattr(torch, op))(xi)
+        (gi,) = torch.autograd.grad(yi.sum(), xi)
+        if name == "nanfree":
+            ours = (yi.detach().cpu()[keep], gi.cpu()[keep])
+        else:
+            theirs = (yi.detach().cpu()[keep], gi.cpu()[keep])
+    for i, what in enumerate(("value", "gradient")):
+        if dtype == torch.float64:  # the reference is torch's own float64: assert_close (1.4)
+            torch.testing.assert_close(ours[i], theirs[i])
+            continue
+        ref_i = (ref.detach(), ref_g)[i][keep]
+        n_err, t_err = _error(ours[i], ref_i), _error(theirs[i], ref_i)
+        assert n_err <= 2 * t_err + _floor(dtype, ref_i), f"{op} {what}: {n_err} vs torch {t_err}"
