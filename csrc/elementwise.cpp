@@ -5,8 +5,11 @@
 // elementwise_math.h. That backward op is itself differentiable (DESIGN.md
 // rule 6, gradient penalties): in `grad` its derivative is the same op, in
 // `input` it is <op>_backward(gg * grad, input, 2), the second derivative
-// under the same rules. A third derivative is refused clearly.
+// under the same rules. A third derivative is refused clearly. Also the ops'
+// fast Python entry points (nanfree._C.<op>).
+#include <pybind11/pybind11.h>
 #include <torch/autograd.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <string>
@@ -15,6 +18,7 @@
 #include "common/elementwise_op.h"
 #include "common/find_op.h"
 #include "nanfree/elementwise_math.h"
+#include "python_module.h"
 
 namespace nanfree {
 namespace {
@@ -39,6 +43,14 @@ at::Tensor call_unary_backward_below_autograd(const at::Tensor& grad, const at::
       find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return handle.call(grad, input, order);
+}
+
+// The op through the whole dispatcher, autograd included: nanfree.ops' entry
+// point (nanfree._C.<op>), a call without torch.ops' Python layers.
+template <UnaryOp op>
+at::Tensor unary_entry(const at::Tensor& input) {
+  static const auto handle = find_op<UnarySignature>(std::string("nanfree::") + unary_op_name(op));
+  return handle.call(input);
 }
 
 // Through the whole dispatcher, autograd included: called from a node's
@@ -111,5 +123,14 @@ struct UnaryAutograd {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, Autograd, m) { register_unary_kernels<UnaryAutograd>(m); }
+
+void bind_elementwise(pybind11::module_& m) {
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("sqrt", &unary_entry<UnaryOp::kSqrt>, release);
+  m.def("log", &unary_entry<UnaryOp::kLog>, release);
+  m.def("log1p", &unary_entry<UnaryOp::kLog1p>, release);
+  m.def("acos", &unary_entry<UnaryOp::kAcos>, release);
+  m.def("asin", &unary_entry<UnaryOp::kAsin>, release);
+}
 
 }  // namespace nanfree

@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   nanfree::bind_softmax(m);
   nanfree::bind_cosine(m);
   nanfree::bind_debug(m);
+  nanfree::bind_elementwise(m);
 }

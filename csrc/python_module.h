@@ -8,5 +8,6 @@ namespace nanfree {
 void bind_softmax(pybind11::module_& m);
 void bind_cosine(pybind11::module_& m);
 void bind_debug(pybind11::module_& m);
+void bind_elementwise(pybind11::module_& m);
 
 }  // namespace nanfree

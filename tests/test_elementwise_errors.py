@@ -35,3 +35,10 @@ def test_backward_op_checks(device, op):
     with pytest.raises(TypeError, match=f"nanfree.{op}_backward: `input` must be float16"):
         backward(torch.ones(3, dtype=torch.int64, device=device),
                  torch.ones(3, dtype=torch.int64, device=device), 1)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_torch_func_is_refused_naming_the_op(device, op):
+    x = torch.rand(3, device=device) + 0.1
+    with pytest.raises(NotImplementedError, match=f"nanfree.{op}: torch.func transforms"):
+        torch.func.grad(lambda t: getattr(nf, op)(t).sum())(x)
