@@ -29,37 +29,45 @@ using torch::autograd::variable_list;
 using UnarySignature = at::Tensor(const at::Tensor&);
 using UnaryBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 
+// The ops' dispatcher handles, found once per op.
+template <UnaryOp op>
+const c10::TypedOperatorHandle<UnarySignature>& unary_handle() {
+  static const auto handle = find_op<UnarySignature>(std::string("nanfree::") + unary_op_name(op));
+  return handle;
+}
+
+template <UnaryOp op>
+const c10::TypedOperatorHandle<UnaryBackwardSignature>& unary_backward_handle() {
+  static const auto handle =
+      find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
+  return handle;
+}
+
 template <UnaryOp op>
 at::Tensor call_unary(const at::Tensor& input) {
-  static const auto handle = find_op<UnarySignature>(std::string("nanfree::") + unary_op_name(op));
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return handle.call(input);
+  return unary_handle<op>().call(input);
 }
 
 template <UnaryOp op>
 at::Tensor call_unary_backward_below_autograd(const at::Tensor& grad, const at::Tensor& input,
                                               int64_t order) {
-  static const auto handle =
-      find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return handle.call(grad, input, order);
+  return unary_backward_handle<op>().call(grad, input, order);
 }
 
 // The op through the whole dispatcher, autograd included: nanfree.ops' entry
 // point (nanfree._C.<op>), a call without torch.ops' Python layers.
 template <UnaryOp op>
 at::Tensor unary_entry(const at::Tensor& input) {
-  static const auto handle = find_op<UnarySignature>(std::string("nanfree::") + unary_op_name(op));
-  return handle.call(input);
+  return unary_handle<op>().call(input);
 }
 
 // Through the whole dispatcher, autograd included: called from a node's
 // backward, so that with create_graph=True the gradient records its node.
 template <UnaryOp op>
 at::Tensor unary_backward_op(const at::Tensor& grad, const at::Tensor& input, int64_t order) {
-  static const auto handle =
-      find_op<UnaryBackwardSignature>(std::string("nanfree::") + unary_backward_name(op));
-  return handle.call(grad, input, order);
+  return unary_backward_handle<op>().call(grad, input, order);
 }
 
 template <UnaryOp op>

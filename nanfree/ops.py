@@ -362,24 +362,20 @@ def _unary(op, input, out):
     """torch.<op>(input, out=out) through nanfree's op of that name: its C++ entry
     point (nanfree._C.<op>, about a microsecond less than torch.ops), or torch.ops
     while torch.compile traces and for out=."""
-    if out is None and not _is_compiling():
-        try:
-            return getattr(_C, op)(input)
-        except TypeError:
-            check_tensors(op, input=input)
-            raise
-        except RuntimeError:
-            refuse_torch_func(op, input)
-            raise
-    check_tensors(op, input=input)
-    if out is not None:
-        check_tensors(op, out=out)
-        if torch.is_grad_enabled() and (input.requires_grad or out.requires_grad):
-            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
-                               f"automatic differentiation, but one of the arguments requires "
-                               f"grad (as torch.{op})")
+    fast = out is None and not _is_compiling()
+    if not fast:
+        check_tensors(op, input=input)
+        if out is not None:
+            check_tensors(op, out=out)
+            if torch.is_grad_enabled() and (input.requires_grad or out.requires_grad):
+                raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't "
+                                   f"support automatic differentiation, but one of the "
+                                   f"arguments requires grad (as torch.{op})")
     try:
-        result = getattr(torch.ops.nanfree, op)(input)
+        result = getattr(_C if fast else torch.ops.nanfree, op)(input)
+    except TypeError:  # the entry point's words for a non-tensor: name the argument
+        check_tensors(op, input=input)
+        raise
     except RuntimeError:
         refuse_torch_func(op, input)
         raise

@@ -147,6 +147,8 @@ void unary_loop(at::TensorIteratorBase& iter) {
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
   const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
   const V bound_vec(bound);
+  // The values' C library function from VML (nullptr: the header's vector functions).
+  const VmlFunction<acc_t> vml = order == 0 ? vml_function<op, acc_t>() : nullptr;
   iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
     bool contiguous = true;
     for (int t = 0; t < kTensors; ++t) contiguous = contiguous && strides[t] == kSize;
@@ -157,7 +159,6 @@ void unary_loop(at::TensorIteratorBase& iter) {
       const auto* x = reinterpret_cast<const scalar_t*>(ptr[kTensors - 1]);
       const auto* g = reinterpret_cast<const scalar_t*>(ptr[1]);  // read for order > 0 only
       if constexpr (order == 0) {
-        const VmlFunction<acc_t> vml = vml_function<op, acc_t>();
         if (contiguous && vml != nullptr) {
           unary_values_vml<op>(x, out, n0, vml);
           continue;
