@@ -6,21 +6,27 @@ forward+backward, against three baselines in one run:
   double_where the "double where" workaround users write for a finite gradient
                (``where(ok, op(where(ok, x, safe)), edge value)``, pytorch #4132);
   compile      torch.compile of that workaround.
-Then a compiled "safe distance" block, ``sqrt(((a - b) ** 2).sum(-1))``, with
+Each binary op (pow with a tensor exponent and with the exponents 2 and 0.5,
+atan2, div_no_nan against torch's `/`, xlogy, xlog1py) likewise, both inputs
+requiring grad (for a Python exponent, the base only). Then a compiled "safe
+distance" block, ``sqrt(((a - b) ** 2).sum(-1))``, with
 nanfree's sqrt against the same with torch's sqrt and with the double where, each
 under torch.compile (how much a custom op costs the compiled graph's fusion).
 GB/s counts the minimum bytes: forward reads x and writes y; forward+backward also
-reads x and the upstream gradient and writes x's gradient. Ratios are baseline
+reads x and the upstream gradient and writes x's gradient (binary ops: both inputs
+read, both gradients written). Ratios are baseline
 time / nanfree time (above 1: nanfree faster). Writes
 benchmarks/results/<machine>/elementwise.{csv,png,md}.
 
-    python benchmarks/bench_elementwise.py          # default (about a minute on 2 CPU cores)
-    python benchmarks/bench_elementwise.py --full   # every op at 4M and 64M elements, fp32/bf16/fp16
+    python benchmarks/bench_elementwise.py          # default (about three minutes on 2 CPU cores)
+    python benchmarks/bench_elementwise.py --full   # every op at 4M and 64M elements (unary: also fp16)
     python benchmarks/bench_elementwise.py --quick  # smoke run (seconds)
 
 The default run: sqrt and log at 4M and 64M elements (64M: 256 MB of float32, past
-the last-level cache) in float32 and bfloat16, the other ops at 4M float32, and
-the safe-distance block.
+the last-level cache) in float32 and bfloat16, the other unary ops at 4M float32,
+pow with a tensor exponent and xlogy also at 4M bfloat16, every binary op at 4M
+float32, and the safe-distance block; --full: every binary op at both sizes in
+float32 and bfloat16.
 """
 
 import functools
@@ -92,6 +98,75 @@ def bench_ops(bench):
         del x
 
 
+BINARY = ("pow", "pow 2.0", "pow 0.5", "atan2", "div_no_nan", "xlogy", "xlog1py")
+TORCH_BINARY = {"pow": torch.pow, "atan2": torch.atan2, "div_no_nan": torch.div,
+                "xlogy": torch.xlogy, "xlog1py": torch.special.xlog1py}
+
+
+def binary_double_where(op):
+    """The workaround users write for a finite gradient of each binary op."""
+    if op == "pow":
+        return lambda a, b: torch.where(a > 0, torch.pow(torch.where(a > 0, a, 1.0), b), 0.0)
+    if op == "atan2":
+        return torch.atan2  # torch's is finite at the origin already
+    if op == "div_no_nan":
+        return lambda a, b: torch.where(b != 0, a / torch.where(b != 0, b, 1.0), 0.0)
+    if op == "xlogy":
+        return lambda a, b: torch.xlogy(a, torch.where(a == 0, 1.0, b))
+    return lambda a, b: torch.special.xlog1py(a, torch.where(a == 0, 0.0, b))
+
+
+def binary_sample(op, n, dtype, device):
+    """(a, b) mostly inside the domain, a few at and beyond its edges and zeros."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    u = torch.rand(n, device=device, generator=gen)
+    v = torch.rand(n, device=device, generator=gen)
+    a, b = {"pow": (u * 4 - 0.1, v * 4 - 2), "atan2": (u * 4 - 2, v * 4 - 2),
+            "div_no_nan": (u * 4 - 2, v * 4 - 2), "xlogy": (u * 4 - 2, v * 4 - 0.1),
+            "xlog1py": (u * 4 - 2, v * 4 - 1.1)}[op]
+    return a.to(DTYPES[dtype]), b.to(DTYPES[dtype])
+
+
+def binary_sweep(bench):
+    if bench.mode == "quick":
+        return [(op, "float32", 1 << 16) for op in BINARY]
+    if bench.mode == "full":
+        return [(op, dt, n) for op in BINARY for dt in ("float32", "bfloat16") for n in (4 * M, 64 * M)]
+    return ([("pow", "float32", 4 * M), ("pow", "bfloat16", 4 * M), ("xlogy", "bfloat16", 4 * M)] +
+            [(op, "float32", 4 * M) for op in ("pow 2.0", "pow 0.5", "atan2", "div_no_nan", "xlogy",
+                                               "xlog1py")])
+
+
+def bench_binary(bench):
+    bench.section("binary ops (times in ms; torch: the plain op, compile: the double where compiled)",
+                  f"{'op':<11}{'dtype':<10}{'elements':>10}  {'direction':<18}",
+                  extra=("double_where",))
+    for name, dtype, n in binary_sweep(bench):
+        bench.compiler.reset()
+        op, _, exponent = name.partition(" ")
+        a, b = binary_sample(op, n, dtype, bench.device)
+        workaround = binary_double_where(op)
+        ours, theirs = getattr(nf, op), TORCH_BINARY[op]
+        if exponent:  # a Python exponent: the base is the only input
+            p = float(exponent)
+            fns = {"nanfree": lambda x: ours(x, p), "torch": lambda x: theirs(x, p),
+                   "compile": bench.compiler(lambda x: workaround(x, p)),
+                   "double_where": lambda x: workaround(x, p)}
+            inputs, tensors = (a,), 1
+        else:
+            fns = {"nanfree": ours, "torch": theirs, "compile": bench.compiler(workaround),
+                   "double_where": workaround}
+            inputs, tensors = (a, b), 2
+        size = a.numel() * a.element_size()
+        nbytes = {"forward": (tensors + 1) * size,
+                  "forward+backward": (tensors + 1) * size + (2 * tensors + 1) * size}
+        fields = dict(section="binary", op=name, dtype=dtype, elements=n, mbytes=size / bc.MB)
+        for direction in ("forward", "forward+backward"):
+            bench.compare(fields, f"{name:<11}{dtype:<10}{n:>10}  {direction:<18}", fns, inputs,
+                          direction, nbytes[direction])
+        del a, b
+
+
 def bench_distance(bench):
     """sqrt(((a - b) ** 2).sum(-1)) compiled, with each sqrt: the custom op's cost to fusion."""
     rows, dim = (1024, 16) if bench.mode == "quick" else (1 << 18, 64)
@@ -123,7 +198,7 @@ def bench_distance(bench):
 
 
 def summary(bench):
-    records = bc.select(bench.records, section="unary")
+    records = bc.select(bench.records, section="unary") + bc.select(bench.records, section="binary")
     lines = bc.geomean_table(records, ("dtype", "direction"), "Geometric-mean ratio (baseline time / "
                              "nanfree time; above 1 = nanfree faster):")
     for r in records:
@@ -154,7 +229,7 @@ def summary(bench):
 
 def plot(bench):
     def draw(records, path):
-        rows = bc.select(records, section="unary")
+        rows = bc.select(records, section="unary") + bc.select(records, section="binary")
         return rows and bc.plot_ratios(
             rows, path, f"nanfree elementwise ops on {bench.machine} ({bench.mode} run)",
             copy_gbs=bench.copy_gbs if bench.cuda else None, panel_key="op", x_key="mbytes",
@@ -172,6 +247,7 @@ def main(argv=None):
     info = nanfree.backend_info()["ops"].get("elementwise", {})
     bench.note(f"nanfree backend: {info.get(torch.device(bench.device).type, 'not reported')}")
     bench_ops(bench)
+    bench_binary(bench)
     bench_distance(bench)
     bench.finish(summary(bench), plot(bench))
 

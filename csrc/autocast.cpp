@@ -14,6 +14,9 @@
 // | cos_sim_matrix (torch.mm: lower precision)  | autocast dtype   | autocast dtype          |
 // | gem (pow is on the fp32 list)       | float32                 | left alone             |
 // | mnr_loss, mnr_loss_backward (cross_entropy: fp32) | float32   | float32                |
+// | log, log1p, acos, asin, pow (fp32)  | float32                 | left alone             |
+// | atan2 (promote: the widest input)   | widest floating input   | left alone             |
+// | sqrt, xlogy, xlog1py, div_no_nan    | left alone              | left alone             |
 //
 // nanfree.ops.softmax(..., dtype=...) excludes autocast itself, as torch's
 // fp32_set_opt_dtype does when a dtype is given. sentence-transformers'
@@ -101,6 +104,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mnr_loss_backward_in_float32(
                  hardness_mode, hardness_strength, reduction);
 }
 
+// The elementwise unary op `name` in float32 (torch's fp32 policy for log, log1p,
+// acos, asin on CUDA).
+template <c10::DispatchKey key, const char* name>
+at::Tensor elementwise_unary_in_float32(const at::Tensor& input) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&)>(name);
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
+  return op.call(autocast_to_float(input));
+}
+
+using ElementwiseBinarySignature = at::Tensor(const at::Tensor&, const at::Tensor&);
+
+template <c10::DispatchKey key>
+at::Tensor pow_in_float32(const at::Tensor& input, const at::Tensor& exponent) {
+  static const auto op = find_op<ElementwiseBinarySignature>("nanfree::pow");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
+  return op.call(autocast_to_float(input), autocast_to_float(exponent));
+}
+
+// atan2 at its widest floating input (torch's promote policy: a 0-d tensor counts too).
+template <c10::DispatchKey key>
+at::Tensor atan2_at_the_widest_input(const at::Tensor& input, const at::Tensor& other) {
+  static const auto op = find_op<ElementwiseBinarySignature>("nanfree::atan2");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
+  if (at::isFloatingType(input.scalar_type()) && at::isFloatingType(other.scalar_type()) &&
+      input.scalar_type() != other.scalar_type()) {
+    const at::ScalarType widest = at::promote_types(input.scalar_type(), other.scalar_type());
+    return op.call(input.to(widest), other.to(widest));
+  }
+  return op.call(input, other);
+}
+
+constexpr char kLogName[] = "nanfree::log";
+constexpr char kLog1pName[] = "nanfree::log1p";
+constexpr char kAcosName[] = "nanfree::acos";
+constexpr char kAsinName[] = "nanfree::asin";
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, AutocastCUDA, m) {
@@ -114,6 +153,12 @@ TORCH_LIBRARY_IMPL(nanfree, AutocastCUDA, m) {
   m.impl("gem", &gem_in_float32<key>);
   m.impl("mnr_loss", &mnr_loss_in_float32<key>);
   m.impl("mnr_loss_backward", &mnr_loss_backward_in_float32<key>);
+  m.impl("log", &elementwise_unary_in_float32<key, kLogName>);
+  m.impl("log1p", &elementwise_unary_in_float32<key, kLog1pName>);
+  m.impl("acos", &elementwise_unary_in_float32<key, kAcosName>);
+  m.impl("asin", &elementwise_unary_in_float32<key, kAsinName>);
+  m.impl("pow", &pow_in_float32<key>);
+  m.impl("atan2", &atan2_at_the_widest_input<key>);
 }
 
 TORCH_LIBRARY_IMPL(nanfree, AutocastCPU, m) {

@@ -102,4 +102,22 @@ TORCH_LIBRARY(nanfree, m) {
     m.def((std::string(op) + "(Tensor input) -> Tensor").c_str());
     m.def((std::string(op) + "_backward(Tensor grad, Tensor input, int order=1) -> Tensor").c_str());
   }
+
+  // Elementwise family, binary ops (torch's pow, atan2, xlogy, special.xlog1py,
+  // and div_no_nan = input / other, 0 where other == 0, with the rules of
+  // elementwise_binary_math.h). `input` and `other` broadcast, of any dtypes
+  // but complex, promoted as torch's (at::result_type; integer results to the
+  // default float dtype); a 0-d CPU `other` or `input` joins the other's
+  // device. <op>_backward gives grad * one partial derivative at (input, other)
+  // in the broadcast shape (the autograd sums it to each input's shape):
+  // order 1, partial 0 = d/d input, 1 = d/d other; order 2, partial 0, 1, 2 =
+  // d2/d input2, d2/d input d other, d2/d other2. `grad`, `input` and `other`
+  // share one floating dtype, `grad` has the broadcast shape. Differentiable
+  // once (order 1 through order 2), as double backward needs.
+  for (const char* op : {"pow", "atan2", "div_no_nan", "xlogy", "xlog1py"}) {
+    m.def((std::string(op) + "(Tensor input, Tensor other) -> Tensor").c_str());
+    m.def((std::string(op) +
+           "_backward(Tensor grad, Tensor input, Tensor other, int order=1, int partial=0) -> Tensor")
+              .c_str());
+  }
 }

@@ -23,12 +23,13 @@ from ._ops import gem as _gem
 from ._ops import mnr as _mnr
 from ._ops.common import (as_float, broadcast_mask, check_device, check_dim_type, check_eps,
                           check_float, check_number, check_optional_tensor, check_tensors,
-                          refuse_torch_func, wrap_dim)
+                          is_number, refuse_torch_func, wrap_dim)
 from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim", "gem",
-    "gem_pool2d", "mnr_loss", "sqrt", "log", "log1p", "acos", "asin",
+    "gem_pool2d", "mnr_loss", "sqrt", "log", "log1p", "acos", "asin", "pow", "atan2",
+    "div_no_nan", "xlogy", "xlog1py",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -409,3 +410,84 @@ def asin(input, *, out=None):
     """``torch.asin``: inputs beyond +-1 take the clamp's value; gradient 0 at and
     beyond +-1."""
     return _unary("asin", input, out)
+
+
+def _binary_operand(op, name, value, like):
+    """A binary op's argument as a tensor: a tensor as it is; a number (numpy
+    scalars included) as a 0-d tensor on like's device, made there without a
+    host-to-device copy, of the dtype torch's promotion gives it beside `like`:
+    like's floating dtype (a Python scalar does not widen a tensor of its
+    category), else the default float dtype (the op's result for an integer
+    tensor; written out, as torch.result_type does not trace under compile)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if not is_number(value):
+        raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor or a number, got "
+                        f"{type(value).__name__}")
+    if type(value).__module__ == "numpy":  # a numpy scalar: its Python number
+        value = value.item()
+    dtype = like.dtype if like.dtype.is_floating_point else torch.get_default_dtype()
+    return torch.full((), value, dtype=dtype, device=like.device)
+
+
+def _binary(op, input, other, out, other_name="other"):
+    """torch.<op>(input, other, out=out) through nanfree's op of that name: numbers
+    become 0-d tensors (torch's promotion of Python scalars), then the op
+    broadcasts and promotes as torch's binary ops."""
+    if not isinstance(input, torch.Tensor) and not isinstance(other, torch.Tensor):
+        check_tensors(op, input=input)  # one argument must be a tensor, as torch's
+    if isinstance(input, torch.Tensor):
+        other = _binary_operand(op, other_name, other, input)
+    else:
+        input = _binary_operand(op, "input", input, other)
+    if out is not None:
+        check_tensors(op, out=out)
+        if torch.is_grad_enabled() and (input.requires_grad or other.requires_grad
+                                        or out.requires_grad):
+            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
+                               f"automatic differentiation, but one of the arguments requires "
+                               f"grad (as torch.{op})")
+    try:
+        result = getattr(torch.ops.nanfree, op)(input, other)
+    except RuntimeError:
+        refuse_torch_func(op, input, other)
+        raise
+    return result if out is None else _into_out(op, out, result)
+
+
+def pow(input, exponent, *, out=None):
+    """``torch.pow`` (tensor or number base and exponent): at base 0 the
+    exponent's gradient is 0 and an infinite derivative in the base counts 0; a
+    negative base with a non-integer exponent is clamped to 0 (value pow(0, p),
+    gradients 0), where torch's value and gradients are NaN. Integer base and
+    exponent: torch.pow's integer result (no gradient to guard)."""
+    if all(not (isinstance(t, torch.Tensor) and t.dtype.is_floating_point or
+                isinstance(t, torch.Tensor) and t.dtype.is_complex or isinstance(t, float))
+           for t in (input, exponent)) and any(isinstance(t, torch.Tensor) for t in (input, exponent)):
+        return torch.pow(input, exponent, out=out) if out is not None else torch.pow(input, exponent)
+    return _binary("pow", input, exponent, out, other_name="exponent")
+
+
+def atan2(input, other, *, out=None):
+    """``torch.atan2`` (angle of the point (other, input)); gradients 0 at the
+    origin (torch's) and at infinite inputs, and computed without overflow of
+    input**2 + other**2."""
+    return _binary("atan2", input, other, out)
+
+
+def div_no_nan(input, other, *, out=None):
+    """``input / other`` with 0 (and gradients 0) where ``other == 0``, and where
+    both are infinite; NaN inputs stay NaN (TensorFlow's ``div_no_nan``)."""
+    return _binary("div_no_nan", input, other, out)
+
+
+def xlogy(input, other, *, out=None):
+    """``torch.xlogy``: 0 where ``input == 0`` with the gradient in ``other`` 0 there
+    (torch's is NaN at other = 0); ``other`` below 0 is clamped to 0."""
+    return _binary("xlogy", input, other, out)
+
+
+def xlog1py(input, other, *, out=None):
+    """``torch.special.xlog1py``: 0 where ``input == 0`` with the gradient in
+    ``other`` 0 there; ``other`` below -1 is clamped to -1."""
+    return _binary("xlog1py", input, other, out)

@@ -175,6 +175,16 @@ def calls(quick):
                 (g,) = torch.autograd.grad(getattr(ops, op)(x).sum(), x, create_graph=True)
                 backward(g)
             found.append((f"{op} {dtype}", unary_call))
+        for op in ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py"):
+            for other in ("tensor", "scalar"):
+                def binary_call(op=op, dtype=dtype, other=other):
+                    # The value, both gradients and (double backward) every second partial.
+                    a = (torch.rand(1000) + 0.5).to(dtype).requires_grad_()
+                    b = (torch.rand(1000) + 0.5).to(dtype).requires_grad_() if other == "tensor" else 2.5
+                    inputs = (a, b) if other == "tensor" else (a,)
+                    grads = torch.autograd.grad(getattr(ops, op)(a, b).sum(), inputs, create_graph=True)
+                    backward(sum(g.sum() for g in grads))
+                found.append((f"{op} {dtype} {other}", binary_call))
     return found
 
 

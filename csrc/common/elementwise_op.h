@@ -2,17 +2,24 @@
 // CUDA registrations (and mirrored with the same words by
 // nanfree/_ops/elementwise.py). Unary ops: <op>(input) and
 // <op>_backward(grad, input, order) of csrc/registration.cpp, <op> in
-// kUnaryOpNames (the order of UnaryOp in nanfree/elementwise_math.h).
+// kUnaryOpNames (the order of UnaryOp in nanfree/elementwise_math.h). Binary
+// ops: <op>(input, other) and <op>_backward(grad, input, other, order,
+// partial), <op> in kBinaryOpNames (the order of BinaryOp in
+// nanfree/elementwise_binary_math.h).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
+#include <type_traits>
+#include <vector>
 #include <utility>
 
 #include "common/checks.h"
+#include "nanfree/elementwise_binary_math.h"
 #include "nanfree/elementwise_math.h"
 
 namespace nanfree {
@@ -67,6 +74,126 @@ void register_unary_kernels(torch::Library& m, std::integer_sequence<int, index.
 template <template <UnaryOp> class Kernels>
 void register_unary_kernels(torch::Library& m) {
   register_unary_kernels<Kernels>(m, std::make_integer_sequence<int, kUnaryOpCount>{});
+}
+
+// --- binary ops -------------------------------------------------------------------
+
+constexpr const char* kBinaryOpNames[] = {"pow", "atan2", "div_no_nan", "xlogy", "xlog1py"};
+constexpr int kBinaryOpCount = 5;
+
+constexpr const char* binary_op_name(BinaryOp op) { return kBinaryOpNames[static_cast<int>(op)]; }
+
+inline std::string binary_backward_name(BinaryOp op) {
+  return std::string(binary_op_name(op)) + "_backward";
+}
+
+// The floating dtype a binary op computes in, as torch's type promotion
+// (at::result_type: a 0-d tensor does not widen a dimensioned one of its
+// category); integer and bool results promote to the default float dtype
+// (torch.xlogy(int, int) is float32); complex is refused (TypeError).
+inline at::ScalarType binary_dtype(BinaryOp op, const at::Tensor& input, const at::Tensor& other) {
+  for (const at::Tensor* t : {&input, &other}) {
+    TORCH_CHECK_TYPE(!at::isComplexType(t->scalar_type()), "nanfree.", binary_op_name(op),
+                     ": complex `", t == &input ? "input" : "other",
+                     "` is not supported (got ", t->scalar_type(),
+                     "); nanfree's elementwise ops are real-valued");
+  }
+  const at::ScalarType dtype = at::result_type(input, other);
+  if (at::isFloatingType(dtype)) return dtype;
+  return c10::typeMetaToScalarType(c10::get_default_dtype());
+}
+
+// The shape of the op's output: input's and other's broadcast (torch's rule),
+// or a ValueError naming the op when they do not broadcast.
+inline std::vector<int64_t> binary_shape(BinaryOp op, at::IntArrayRef input, at::IntArrayRef other) {
+  const int64_t ndim = static_cast<int64_t>(std::max(input.size(), other.size()));
+  std::vector<int64_t> shape(ndim);
+  for (int64_t i = 0; i < ndim; ++i) {
+    const int64_t ia = i - ndim + static_cast<int64_t>(input.size());
+    const int64_t ib = i - ndim + static_cast<int64_t>(other.size());
+    const int64_t sa = ia >= 0 ? input[ia] : 1, sb = ib >= 0 ? other[ib] : 1;
+    TORCH_CHECK_VALUE(sa == sb || sa == 1 || sb == 1, "nanfree.", binary_op_name(op),
+                      ": the size of `input` (", sa, ") must match the size of `other` (", sb,
+                      ") at non-singleton dimension ", i, " (shapes ", input, " and ", other,
+                      " do not broadcast)");
+    shape[i] = sa == 1 ? sb : sa;
+  }
+  return shape;
+}
+
+// input and other in the op's dtype, on one device (a 0-d CPU tensor joins the
+// other's device, as torch's binary ops take CPU scalars), with shapes that
+// broadcast (torch's words when they do not).
+inline std::pair<at::Tensor, at::Tensor> binary_operands(BinaryOp op, const at::Tensor& input,
+                                                         const at::Tensor& other) {
+  const at::ScalarType dtype = binary_dtype(op, input, other);
+  at::Tensor a = input, b = other;
+  if (a.device() != b.device()) {
+    if (b.dim() == 0 && b.is_cpu()) b = b.to(a.device());
+    else if (a.dim() == 0 && a.is_cpu()) a = a.to(b.device());
+  }
+  check_same_device(binary_op_name(op), "other", a, b);
+  binary_shape(op, a.sizes(), b.sizes());
+  return {a.to(dtype), b.to(dtype)};
+}
+
+// <op>_backward's arguments: input and other of one floating dtype and device
+// that broadcast to grad's shape, grad of that dtype, order 1 (partial 0 = d/d
+// input, 1 = d/d other) or 2 (partial 0, 1, 2 = d2/d input2, d2/d input d other,
+// d2/d other2).
+inline void check_binary_backward(BinaryOp op, const at::Tensor& grad, const at::Tensor& input,
+                                  const at::Tensor& other, int64_t order, int64_t partial) {
+  const std::string name = binary_backward_name(op);
+  check_float_input(name.c_str(), "input", input);
+  TORCH_CHECK_VALUE(order == 1 || order == 2, "nanfree.", name,
+                    ": `order` must be 1 (the derivative) or 2 (the second derivative), got ",
+                    order);
+  TORCH_CHECK_VALUE(partial >= 0 && partial <= order, "nanfree.", name, ": `partial` must be in [0, ",
+                    order, "] for order ", order, ", got ", partial);
+  TORCH_CHECK_VALUE(other.scalar_type() == input.scalar_type() &&
+                        grad.scalar_type() == input.scalar_type(),
+                    "nanfree.", name, ": `grad`, `input` and `other` must have one dtype, got ",
+                    grad.scalar_type(), ", ", input.scalar_type(), ", ", other.scalar_type());
+  const std::vector<int64_t> shape = binary_shape(op, input.sizes(), other.sizes());
+  TORCH_CHECK_VALUE(grad.sizes() == at::IntArrayRef(shape), "nanfree.", name,
+                    ": `grad` must have the broadcast shape ", at::IntArrayRef(shape), ", got ",
+                    grad.sizes());
+  check_same_device(name.c_str(), "other", input, other);
+  check_same_device(name.c_str(), "grad", input, grad);
+}
+
+// Calls f(std::integral_constant<int, order>, std::integral_constant<int, partial>)
+// for the runtime order (0, 1 or 2) and partial: one kernel instantiation each.
+template <typename F>
+void dispatch_binary_partial(int64_t order, int64_t partial, F&& f) {
+  using std::integral_constant;
+  if (order == 0) {
+    f(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+  } else if (order == 1) {
+    if (partial == 0) f(integral_constant<int, 1>{}, integral_constant<int, 0>{});
+    else f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
+  } else {
+    if (partial == 0) f(integral_constant<int, 2>{}, integral_constant<int, 0>{});
+    else if (partial == 1) f(integral_constant<int, 2>{}, integral_constant<int, 1>{});
+    else f(integral_constant<int, 2>{}, integral_constant<int, 2>{});
+  }
+}
+
+// Registers Kernels<op>::forward as <op> and Kernels<op>::backward as
+// <op>_backward for every binary op.
+template <template <BinaryOp> class Kernels, int... index>
+void register_binary_kernels(torch::Library& m, std::integer_sequence<int, index...>) {
+  (m.impl(binary_op_name(static_cast<BinaryOp>(index)),
+          &Kernels<static_cast<BinaryOp>(index)>::forward),
+   ...);
+  (m.impl(binary_backward_name(static_cast<BinaryOp>(index)).c_str(),
+          &Kernels<static_cast<BinaryOp>(index)>::backward),
+   ...);
+}
+
+template <template <BinaryOp> class Kernels>
+void register_binary_kernels(torch::Library& m) {
+  register_binary_kernels<Kernels>(m, std::make_integer_sequence<int, kBinaryOpCount>{});
 }
 
 }  // namespace nanfree

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "cpu/elementwise.h"  // before the headers: their vector primitives
 #include "cpu/vec.h"
 
 // MKL's vector math functions (VML), weakly linked: nullptr where the torch this
@@ -36,30 +37,6 @@ void vmdAcos(int64_t n, const double* a, double* r, int64_t mode) __attribute__(
 void vmsAsin(int64_t n, const float* a, float* r, int64_t mode) __attribute__((weak));
 void vmdAsin(int64_t n, const double* a, double* r, int64_t mode) __attribute__((weak));
 }
-namespace nanfree {
-
-// The vector primitives of elementwise_math.h, declared before it is included
-// so that its templates find them: a comparison of vectors is a lane mask,
-// and nf_where blends by it.
-template <typename T>
-at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::vec::Vectorized<T>& a,
-                                const at::vec::Vectorized<T>& b) {
-  return at::vec::Vectorized<T>::blendv(b, a, mask);
-}
-template <typename T>
-at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
-template <typename T>
-at::vec::Vectorized<T> nf_log(const at::vec::Vectorized<T>& x) { return x.log(); }
-template <typename T>
-at::vec::Vectorized<T> nf_log1p(const at::vec::Vectorized<T>& x) { return x.log1p(); }
-template <typename T>
-at::vec::Vectorized<T> nf_acos(const at::vec::Vectorized<T>& x) { return x.acos(); }
-template <typename T>
-at::vec::Vectorized<T> nf_asin(const at::vec::Vectorized<T>& x) { return x.asin(); }
-template <typename T>
-at::vec::Vectorized<T> nf_abs(const at::vec::Vectorized<T>& x) { return x.abs(); }
-
-}  // namespace nanfree
 
 #include "common/elementwise_op.h"
 #include "nanfree/elementwise_math.h"

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/device_common.cuh"
+#include "cuda/elementwise_flat.cuh"
 #include "cuda/elementwise_kernels.h"
 #include "nanfree/elementwise_math.h"
 
@@ -15,12 +16,13 @@ namespace {
 
 using namespace detail;
 
-constexpr int kElementwiseThreads = 256;
+using elementwise_flat::kThreads;
+using elementwise_flat::vector_aligned;
 
 // Elements [0, n) in chunks of kVec (the caller makes n a multiple of kVec for
 // kVec > 1 and passes the tail to a kVec = 1 launch).
 template <UnaryOp op, int order, int kVec, typename scalar_t>
-__global__ void __launch_bounds__(kElementwiseThreads)
+__global__ void __launch_bounds__(kThreads)
     unary_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x, int64_t n,
                  scalar_t* __restrict__ out) {
   using acc_t = acc_of_t<scalar_t>;
@@ -42,20 +44,6 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   }
 }
 
-template <typename scalar_t>
-bool vector_aligned(const scalar_t* p) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch_flat(void (*kernel)(Params...), int64_t work, cudaStream_t stream,
-                        Args... args) {
-  const int64_t blocks = ceil_div(work, kElementwiseThreads);
-  kernel<<<static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks), kElementwiseThreads,
-           0, stream>>>(static_cast<Params>(args)...);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 template <UnaryOp op, int order, typename scalar_t>
@@ -67,12 +55,13 @@ cudaError_t unary_elementwise(const scalar_t* grad, const scalar_t* x, int64_t n
   const int64_t body = vec ? n / kVec * kVec : 0;
   if (body > 0) {
     const cudaError_t error =
-        launch_flat(unary_kernel<op, order, kVec, scalar_t>, body / kVec, stream, grad, x, body, out);
+        elementwise_flat::launch(unary_kernel<op, order, kVec, scalar_t>, body / kVec, stream, grad,
+                                 x, body, out);
     if (error != cudaSuccess || body == n) return error;
   }
   // The elements after the last whole vector (all of them when a pointer is not aligned).
-  return launch_flat(unary_kernel<op, order, 1, scalar_t>, n - body, stream,
-                     order > 0 ? grad + body : grad, x + body, n - body, out + body);
+  return elementwise_flat::launch(unary_kernel<op, order, 1, scalar_t>, n - body, stream,
+                                  order > 0 ? grad + body : grad, x + body, n - body, out + body);
 }
 
 NANFREE_UNARY_LAUNCHERS(, float)

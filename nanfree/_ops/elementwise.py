@@ -1,18 +1,23 @@
 """The elementwise family's Python side (the unary ops sqrt, log, log1p, acos,
-asin and their <op>_backward): the op-level argument checks and output of the
+asin, the binary ops pow, atan2, div_no_nan, xlogy, xlog1py, and their
+<op>_backward): the op-level argument checks and output of the
 Python backends (Triton, pure PyTorch) and the fake kernels, with the same
 errors, words and exception types as csrc/common/elementwise_op.h. The
 schemas are in csrc/registration.cpp, the autograd (shared by every backend)
-in csrc/elementwise.cpp. These ops are on no autocast list (torch's keep the
-input's dtype under autocast), so csrc/autocast.cpp has no row for them."""
+in csrc/elementwise.cpp and csrc/elementwise_binary.cpp. Under CUDA autocast
+torch runs log, log1p, acos, asin and pow in float32 (atan2 at its widest
+input, which its type promotion gives already); csrc/autocast.cpp has those
+rows. sqrt, xlogy and xlog1py are on no autocast list; nor is div_no_nan,
+torch's `/`."""
 
 import torch
 
 from .common import check_device, check_float, fake_kernels
 
 UNARY_OPS = ("sqrt", "log", "log1p", "acos", "asin")
-FORWARD_OPS = UNARY_OPS
-BACKWARD_OPS = tuple(f"{op}_backward" for op in UNARY_OPS)
+BINARY_OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
+FORWARD_OPS = UNARY_OPS + BINARY_OPS
+BACKWARD_OPS = tuple(f"{op}_backward" for op in FORWARD_OPS)
 OPS = FORWARD_OPS + BACKWARD_OPS
 
 
@@ -37,6 +42,79 @@ def check_unary_backward(op, grad, input, order):
         raise ValueError(f"nanfree.{name}: `grad` must have the input's shape {list(input.shape)} "
                          f"and dtype {input.dtype}, got {list(grad.shape)} {grad.dtype}")
     check_device(name, "grad", input, grad)
+
+
+def binary_dtype(op, input, other):
+    """The floating dtype a binary op computes in (csrc/common/elementwise_op.h's
+    binary_dtype): torch's type promotion, integer and bool results promoted to
+    the default float dtype; complex refused (TypeError)."""
+    for name, t in (("input", input), ("other", other)):
+        if t.dtype.is_complex:
+            raise TypeError(f"nanfree.{op}: complex `{name}` is not supported (got {t.dtype}); "
+                            f"nanfree's elementwise ops are real-valued")
+    dtype = torch.result_type(input, other)
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def binary_shape(op, input_shape, other_shape):
+    """input's and other's shapes broadcast, or a ValueError naming the op."""
+    ndim = max(len(input_shape), len(other_shape))
+    a = (1,) * (ndim - len(input_shape)) + tuple(input_shape)
+    b = (1,) * (ndim - len(other_shape)) + tuple(other_shape)
+    shape = []
+    for i, (sa, sb) in enumerate(zip(a, b)):
+        if sa != sb and sa != 1 and sb != 1:
+            raise ValueError(f"nanfree.{op}: the size of `input` ({sa}) must match the size of "
+                             f"`other` ({sb}) at non-singleton dimension {i} (shapes "
+                             f"{list(input_shape)} and {list(other_shape)} do not broadcast)")
+        shape.append(sb if sa == 1 else sa)
+    return shape
+
+
+def binary_operands(op, input, other):
+    """input and other in the op's dtype on one device (a 0-d CPU tensor joins
+    the other's device), checked to broadcast."""
+    dtype = binary_dtype(op, input, other)
+    a, b = input, other
+    if a.device != b.device:
+        if b.dim() == 0 and b.device.type == "cpu":
+            b = b.to(a.device)
+        elif a.dim() == 0 and a.device.type == "cpu":
+            a = a.to(b.device)
+    check_device(op, "other", a, b)
+    binary_shape(op, a.shape, b.shape)
+    return a.to(dtype), b.to(dtype)
+
+
+def check_binary_backward(op, grad, input, other, order, partial):
+    name = f"{op}_backward"
+    check_float(name, "input", input)
+    if order not in (1, 2):
+        raise ValueError(f"nanfree.{name}: `order` must be 1 (the derivative) or 2 (the second "
+                         f"derivative), got {order}")
+    if not 0 <= partial <= order:
+        raise ValueError(f"nanfree.{name}: `partial` must be in [0, {order}] for order {order}, "
+                         f"got {partial}")
+    if not grad.dtype == input.dtype == other.dtype:
+        raise ValueError(f"nanfree.{name}: `grad`, `input` and `other` must have one dtype, got "
+                         f"{grad.dtype}, {input.dtype}, {other.dtype}")
+    shape = binary_shape(op, input.shape, other.shape)
+    if list(grad.shape) != shape:
+        raise ValueError(f"nanfree.{name}: `grad` must have the broadcast shape {shape}, got "
+                         f"{list(grad.shape)}")
+    check_device(name, "other", input, other)
+    check_device(name, "grad", input, grad)
+
+
+def binary_output(a, b):
+    """The output of a binary op on a and b (one floating dtype): their broadcast
+    shape, in the layout of an operand of that shape when it is dense (as
+    TensorIterator gives), else contiguous."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    for t in (a, b):
+        if t.shape == shape and is_dense(t):
+            return torch.empty_like(t)
+    return torch.empty(shape, dtype=a.dtype, device=a.device)
 
 
 def is_dense(t):
@@ -83,6 +161,22 @@ def unary_kernels(forward, backward):
     return kernels
 
 
+def binary_kernels(forward, backward):
+    """As unary_kernels for the binary ops, from forward(op, input, other) and
+    backward(op, grad, input, other, order, partial)."""
+    kernels = {}
+    for op in BINARY_OPS:
+        def kernel(input, other, op=op):
+            return forward(op, input, other)
+
+        def backward_kernel(grad, input, other, order=1, partial=0, op=op):
+            return backward(op, grad, input, other, order, partial)
+
+        kernel.__name__, backward_kernel.__name__ = op, f"{op}_backward"
+        kernels[op], kernels[f"{op}_backward"] = kernel, backward_kernel
+    return kernels
+
+
 # --- fake kernels ---------------------------------------------------------------
 
 
@@ -101,6 +195,23 @@ def _fake_unary_backward(op):
     return fake
 
 
+def _fake_binary(op):
+    def fake(input, other):
+        return binary_output(*binary_operands(op, input, other))
+
+    return fake
+
+
+def _fake_binary_backward(op):
+    def fake(grad, input, other, order=1, partial=0):
+        check_binary_backward(op, grad, input, other, order, partial)
+        return binary_output(grad, input)  # grad has the broadcast shape: its layout
+
+    return fake
+
+
 def register():
     fake_kernels([(op, _fake_unary(op)) for op in UNARY_OPS] +
-                 [(f"{op}_backward", _fake_unary_backward(op)) for op in UNARY_OPS])
+                 [(f"{op}_backward", _fake_unary_backward(op)) for op in UNARY_OPS] +
+                 [(op, _fake_binary(op)) for op in BINARY_OPS] +
+                 [(f"{op}_backward", _fake_binary_backward(op)) for op in BINARY_OPS])

@@ -1,8 +1,9 @@
-"""Mirror of csrc/include/nanfree/elementwise_math.h in plain torch operations
-(same names, same rules): the elementwise family's pure-PyTorch backend, one
-function per op named as the op. Both branches of a torch.where are
-evaluated; these functions are never differentiated by autograd (the family's
-autograd is csrc/elementwise.cpp), so an unused inf or NaN branch is harmless.
+"""Mirror of csrc/include/nanfree/elementwise_math.h and
+elementwise_binary_math.h in plain torch operations (same names, same
+rules): the elementwise family's pure-PyTorch backend, one function per op
+named as the op. Both branches of a torch.where are evaluated; these
+functions are never differentiated by autograd (the family's autograd is
+csrc/elementwise.cpp and elementwise_binary.cpp), so an unused inf or NaN branch is harmless.
 Values are computed in the accumulation dtype (float32 for float16 and
 bfloat16) and rounded once, as the C++ kernels do."""
 
@@ -150,3 +151,233 @@ def _unary_backward(op, grad, input, order=1):
 
 # sqrt, sqrt_backward, log, ..., asin_backward: one function per op, named as the op.
 globals().update(_ew.unary_kernels(_unary, _unary_backward))
+
+
+# --- the binary ops: elementwise_binary_math.h, by name -----------------------------
+
+
+def propagate_nan(a, b, r):
+    """r where neither input is NaN, else NaN (rule 7, before every other rule)."""
+    return _where(~torch.isnan(a) & ~torch.isnan(b), r, a + b)
+
+
+def is_infinite(x):
+    return torch.isinf(x)
+
+
+def zero_dominant_product(a, b):
+    """a * b, 0 where a factor is 0 and neither is NaN (inf * 0 counts 0)."""
+    zero = ((a == 0) | (b == 0)) & ~torch.isnan(a) & ~torch.isnan(b)
+    return _where(zero, 0.0, a * b)
+
+
+def pow_outside(a, b):
+    """A negative base has a real power only at an integer exponent (+-inf counts)."""
+    return (a < 0) & (torch.floor(b) != b)
+
+
+def pow_domain(a, b):
+    return _where(pow_outside(a, b), 0.0, a)  # no real power: the base clamped to 0 (rule 2)
+
+
+def pow_value(a, b):
+    return propagate_nan(a, b, torch.pow(pow_domain(a, b), b))
+
+
+def pow_da(a, b):
+    d = zero_dominant_product(b, torch.pow(pow_domain(a, b), b - 1))  # b a^(b-1)
+    # Outside the domain (rule 2); at a == 0 below b = 1 the derivative is infinite (rule 3).
+    return propagate_nan(a, b, _where(pow_outside(a, b) | ((a == 0) & (b < 1)), 0.0, d))
+
+
+def pow_db(a, b):
+    d = zero_dominant_product(torch.pow(a, b), torch.log(a))  # a^b log(a)
+    return propagate_nan(a, b, _where(a <= 0, 0.0, d))  # rules 4 (a == 0) and 2 (a < 0)
+
+
+def pow_daa(a, b):
+    d = zero_dominant_product(b * (b - 1), torch.pow(pow_domain(a, b), b - 2))
+    # Outside the domain; at a == 0 below b = 2 infinite or counted 0 (rules 2 and 3).
+    return propagate_nan(a, b, _where(pow_outside(a, b) | ((a == 0) & (b < 2)), 0.0, d))
+
+
+def pow_dab(a, b):
+    d = zero_dominant_product(torch.pow(a, b - 1), 1 + zero_dominant_product(b, torch.log(a)))
+    return propagate_nan(a, b, _where(a <= 0, 0.0, d))  # as pow_db (rules 2 and 4)
+
+
+def pow_dbb(a, b):
+    log_a = torch.log(a)
+    d = zero_dominant_product(torch.pow(a, b), log_a * log_a)
+    return propagate_nan(a, b, _where(a <= 0, 0.0, d))  # as pow_db (rules 2 and 4)
+
+
+def atan2_scale(a, b):
+    s = torch.maximum(a.abs(), b.abs())
+    # the origin and infinite inputs: derivatives 0 (rule 3, torch's; the limit)
+    return _where((s == 0) | is_infinite(s), 0.0, s)
+
+
+def atan2_value(a, b):
+    return torch.atan2(a, b)  # C's atan2: defined at the origin and at infinities
+
+
+def atan2_derivative(a, b, which):
+    s = atan2_scale(a, b)
+    safe = _where(s == 0, 1.0, s)  # the origin and infinities: 0 below
+    x, y = a / safe, b / safe
+    r = x * x + y * y
+    if which == 0:
+        d = y / r / safe
+    elif which == 1:
+        d = -x / r / safe
+    elif which == 2:
+        d = -2 * x * y / (r * r) / safe / safe
+    elif which == 3:
+        d = (x - y) * (x + y) / (r * r) / safe / safe
+    else:
+        d = 2 * x * y / (r * r) / safe / safe
+    return propagate_nan(a, b, _where(s == 0, 0.0, d))  # origin or infinity: 0
+
+
+def atan2_da(a, b):
+    return atan2_derivative(a, b, 0)
+
+
+def atan2_db(a, b):
+    return atan2_derivative(a, b, 1)
+
+
+def atan2_daa(a, b):
+    return atan2_derivative(a, b, 2)
+
+
+def atan2_dab(a, b):
+    return atan2_derivative(a, b, 3)
+
+
+def atan2_dbb(a, b):
+    return atan2_derivative(a, b, 4)
+
+
+def div_no_nan_zero(a, b):
+    """b == 0 (rule 4), or inf / inf (no limit): 0 with every derivative."""
+    return (b == 0) | (is_infinite(a) & is_infinite(b))
+
+
+def div_no_nan_value(a, b):
+    return propagate_nan(a, b, _where(div_no_nan_zero(a, b), 0.0, a / b))  # rule 4
+
+
+def div_no_nan_da(a, b):
+    return propagate_nan(a, b, _where(div_no_nan_zero(a, b), 0.0, 1 / b))  # rule 4
+
+
+def div_no_nan_db(a, b):
+    return propagate_nan(a, b, _where(div_no_nan_zero(a, b), 0.0, -(a / b) / b))  # rule 4
+
+
+def div_no_nan_daa(a, b):
+    return propagate_nan(a, b, torch.zeros_like(a + b))  # linear in a
+
+
+def div_no_nan_dab(a, b):
+    return propagate_nan(a, b, _where(div_no_nan_zero(a, b), 0.0, -(1 / b) / b))
+
+
+def div_no_nan_dbb(a, b):
+    return propagate_nan(a, b, _where(div_no_nan_zero(a, b), 0.0, 2 * (a / b) / b / b))
+
+
+def xlog_value(a, log_b):
+    return zero_dominant_product(a, log_b)  # 0 at a == 0 (rule 4) and along L(b) == 0
+
+
+def xlog_da(b, shift, log_b):
+    return _where(b <= shift, 0.0, log_b)  # at and below the edge (rules 2 and 3)
+
+
+def xlog_zero(a, b, shift):
+    """At and below the edge, a == 0 (rule 4), both infinite (no limit)."""
+    return (b <= shift) | (a == 0) | (is_infinite(a) & is_infinite(b))
+
+
+def xlogy_value(a, b):
+    # below the domain: log(0) = -inf (rule 2)
+    return propagate_nan(a, b, xlog_value(a, torch.log(_where(b < 0, 0.0, b))))
+
+
+def xlogy_da(a, b):
+    return propagate_nan(a, b, xlog_da(b, 0, torch.log(b)))
+
+
+def xlogy_db(a, b):
+    return propagate_nan(a, b, _where(xlog_zero(a, b, 0), 0.0, a / b))
+
+
+def xlogy_daa(a, b):
+    return propagate_nan(a, b, torch.zeros_like(a + b))  # linear in a
+
+
+def xlogy_dab(a, b):
+    return propagate_nan(a, b, _where(b <= 0, 0.0, 1 / b))  # as xlogy_da's edge
+
+
+def xlogy_dbb(a, b):
+    return propagate_nan(a, b, _where(xlog_zero(a, b, 0), 0.0, -(a / b) / b))
+
+
+def xlog1py_value(a, b):
+    # below the domain: log1p(-1) = -inf (rule 2)
+    return propagate_nan(a, b, xlog_value(a, torch.log1p(_where(b < -1, -1.0, b))))
+
+
+def xlog1py_da(a, b):
+    return propagate_nan(a, b, xlog_da(b, -1, torch.log1p(b)))
+
+
+def xlog1py_db(a, b):
+    return propagate_nan(a, b, _where(xlog_zero(a, b, -1), 0.0, a / (b + 1)))
+
+
+def xlog1py_daa(a, b):
+    return propagate_nan(a, b, torch.zeros_like(a + b))  # linear in a
+
+
+def xlog1py_dab(a, b):
+    return propagate_nan(a, b, _where(b <= -1, 0.0, 1 / (b + 1)))  # as xlog1py_da's edge
+
+
+def xlog1py_dbb(a, b):
+    u = b + 1
+    return propagate_nan(a, b, _where(xlog_zero(a, b, -1), 0.0, -(a / u) / u))
+
+
+# op -> its functions by (order, partial)
+_BINARY_FUNCTIONS = {
+    op: {(0, 0): globals()[f"{op}_value"], (1, 0): globals()[f"{op}_da"],
+         (1, 1): globals()[f"{op}_db"], (2, 0): globals()[f"{op}_daa"],
+         (2, 1): globals()[f"{op}_dab"], (2, 2): globals()[f"{op}_dbb"]}
+    for op in _ew.BINARY_OPS
+}
+
+
+def _binary(op, input, other):
+    a, b = _ew.binary_operands(op, input, other)
+    acc = acc_dtype(a.dtype)
+    out = _ew.binary_output(a, b)
+    out.copy_(_BINARY_FUNCTIONS[op][0, 0](a.to(acc), b.to(acc)))
+    return out
+
+
+def _binary_backward(op, grad, input, other, order=1, partial=0):
+    _ew.check_binary_backward(op, grad, input, other, order, partial)
+    acc = acc_dtype(input.dtype)
+    d = _BINARY_FUNCTIONS[op][order, partial](input.to(acc), other.to(acc))
+    out = _ew.binary_output(grad, input)
+    out.copy_(chain_rule(grad.to(acc), d.expand(grad.shape), nf_largest(input.dtype)))
+    return out
+
+
+# pow, pow_backward, ..., xlog1py_backward: one function per op, named as the op.
+globals().update(_ew.binary_kernels(_binary, _binary_backward))

@@ -1,0 +1,44 @@
+// Shared internals of the elementwise family's CPU kernels (elementwise.cpp:
+// the unary ops; elementwise_binary.cpp: the binary ops): the vector
+// primitives of nanfree/elementwise_math.h and elementwise_binary_math.h,
+// declared before those headers are included so that their templates find
+// them. A comparison of vectors is a lane mask, and nf_where blends by it.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+namespace nanfree {
+
+template <typename T>
+at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::vec::Vectorized<T>& a,
+                                const at::vec::Vectorized<T>& b) {
+  return at::vec::Vectorized<T>::blendv(b, a, mask);
+}
+template <typename T>
+at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
+template <typename T>
+at::vec::Vectorized<T> nf_log(const at::vec::Vectorized<T>& x) { return x.log(); }
+template <typename T>
+at::vec::Vectorized<T> nf_log1p(const at::vec::Vectorized<T>& x) { return x.log1p(); }
+template <typename T>
+at::vec::Vectorized<T> nf_acos(const at::vec::Vectorized<T>& x) { return x.acos(); }
+template <typename T>
+at::vec::Vectorized<T> nf_asin(const at::vec::Vectorized<T>& x) { return x.asin(); }
+template <typename T>
+at::vec::Vectorized<T> nf_abs(const at::vec::Vectorized<T>& x) { return x.abs(); }
+template <typename T>
+at::vec::Vectorized<T> nf_floor(const at::vec::Vectorized<T>& x) { return x.floor(); }
+template <typename T>
+at::vec::Vectorized<T> nf_pow(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& y) {
+  return x.pow(y);
+}
+template <typename T>
+at::vec::Vectorized<T> nf_atan2(const at::vec::Vectorized<T>& a, const at::vec::Vectorized<T>& b) {
+  return a.atan2(b);
+}
+template <typename T>
+at::vec::Vectorized<T> nf_max(const at::vec::Vectorized<T>& a, const at::vec::Vectorized<T>& b) {
+  return at::vec::maximum(a, b);  // NaN in a lane gives NaN there (propagate_nan follows anyway)
+}
+
+}  // namespace nanfree

@@ -1,0 +1,190 @@
+// CPU kernels of the elementwise family's binary ops: <op>(input, other) and
+// <op>_backward(grad, input, other, order, partial) of csrc/registration.cpp,
+// one TensorIterator loop per op, order and partial that applies
+// nanfree/elementwise_binary_math.h to each element. TensorIterator
+// broadcasts the operands, gives the output torch's layout and splits the work
+// over threads. Runs where the output is contiguous and each input contiguous
+// or broadcast along the run (a scalar `other`, a row against a matrix) go
+// through the header's functions instantiated with ATen's vectors (float16
+// and bfloat16 widened to float), two vectors per step; other runs element by
+// element. pow with a one-element exponent of 2, 3, 0.5, -0.5, -1 or -2 (the
+// exponents torch's CPU pow computes without pow) takes the header's
+// pow_element_at_exponent: products, square roots and divisions.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/elementwise.h"  // before the headers: their vector primitives
+#include "cpu/vec.h"
+
+#include "common/elementwise_op.h"
+#include "nanfree/elementwise_binary_math.h"
+
+namespace nanfree {
+namespace {
+
+using cpu::Vec;
+
+// Entries [j, j + count) of an input run as accumulation-type lanes: the run's
+// vector, or its one entry in every lane when the run is broadcast (stride 0).
+template <typename scalar_t>
+Vec<at::opmath_type<scalar_t>> load_run(const char* ptr, bool broadcast, int64_t j, int64_t count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto* p = reinterpret_cast<const scalar_t*>(ptr);
+  if (broadcast) return Vec<acc_t>(static_cast<acc_t>(*p));
+  return cpu::load_vec(p + j, count);
+}
+
+// One element of <op> or <op>_backward: binary_element of the header.
+template <BinaryOp op, int order, int partial>
+struct BinaryElement {
+  template <typename T>
+  static T apply(T g, T a, T b, T bound) {
+    return binary_element<op, order, partial>(g, a, b, bound);
+  }
+};
+
+// One element of pow or pow_backward where the exponent is e everywhere.
+template <PowExponent e, int order, int partial>
+struct PowElementAtExponent {
+  template <typename T>
+  static T apply(T g, T a, T b, T bound) {
+    return pow_element_at_exponent<e, order, partial>(g, a, b, bound);
+  }
+};
+
+// Runs Element over iter: operands (out, a, b) for order 0, (out, grad, a, b) else.
+template <typename Element, int order, typename scalar_t>
+void binary_loop(at::TensorIteratorBase& iter) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  constexpr int kTensors = order == 0 ? 3 : 4;
+  constexpr int kFirst = kTensors - 2;  // the operand index of a (b follows)
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
+  const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
+  const V bound_vec(bound);
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
+    bool vector_run = strides[0] == kSize;
+    for (int t = 1; t < kTensors; ++t) vector_run = vector_run && (strides[t] == kSize || strides[t] == 0);
+    for (int64_t i1 = 0; i1 < n1; ++i1) {
+      char* ptr[kTensors];
+      for (int t = 0; t < kTensors; ++t) ptr[t] = data[t] + i1 * strides[kTensors + t];
+      if (vector_run) {
+        auto* out = reinterpret_cast<scalar_t*>(ptr[0]);
+        const bool a_broadcast = strides[kFirst] == 0, b_broadcast = strides[kFirst + 1] == 0;
+        const bool g_broadcast = order > 0 && strides[1] == 0;
+        int64_t j = 0;
+        // Two vectors per step: their C library calls (Sleef's pow, log) overlap.
+        for (; j + 2 * V::size() <= n0; j += 2 * V::size()) {
+          const int64_t k = j + V::size();
+          const V a0 = load_run<scalar_t>(ptr[kFirst], a_broadcast, j, V::size());
+          const V a1 = load_run<scalar_t>(ptr[kFirst], a_broadcast, k, V::size());
+          const V b0 = load_run<scalar_t>(ptr[kFirst + 1], b_broadcast, j, V::size());
+          const V b1 = load_run<scalar_t>(ptr[kFirst + 1], b_broadcast, k, V::size());
+          V g0(acc_t(0)), g1(acc_t(0));
+          if constexpr (order > 0) {
+            g0 = load_run<scalar_t>(ptr[1], g_broadcast, j, V::size());
+            g1 = load_run<scalar_t>(ptr[1], g_broadcast, k, V::size());
+          }
+          const V y0 = Element::apply(g0, a0, b0, bound_vec);
+          const V y1 = Element::apply(g1, a1, b1, bound_vec);
+          cpu::store_vec<scalar_t>(y0, out + j, V::size());
+          cpu::store_vec<scalar_t>(y1, out + k, V::size());
+        }
+        for (; j < n0; j += V::size()) {
+          const int64_t count = std::min<int64_t>(V::size(), n0 - j);
+          const V a = load_run<scalar_t>(ptr[kFirst], strides[kFirst] == 0, j, count);
+          const V b = load_run<scalar_t>(ptr[kFirst + 1], strides[kFirst + 1] == 0, j, count);
+          const V g = order == 0 ? V(acc_t(0)) : load_run<scalar_t>(ptr[1], strides[1] == 0, j, count);
+          cpu::store_vec<scalar_t>(Element::apply(g, a, b, bound_vec), out + j,
+                                   count);
+        }
+      } else {
+        for (int64_t j = 0; j < n0; ++j) {
+          auto read = [&](int t) {
+            return static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(ptr[t] + j * strides[t]));
+          };
+          const acc_t g = order == 0 ? acc_t(0) : read(1);
+          *reinterpret_cast<scalar_t*>(ptr[0] + j * strides[0]) = static_cast<scalar_t>(
+              Element::apply(g, read(kFirst), read(kFirst + 1), bound));
+        }
+      }
+    }
+  });
+}
+
+// The exponent every element of pow sees when `exponent` has one element (a
+// Python number, a 0-d tensor), if it is one pow_at_exponent knows.
+PowExponent known_exponent(const at::Tensor& exponent) {
+  if (exponent.numel() != 1) return PowExponent::kOther;
+  return pow_exponent_kind(exponent.item<double>());
+}
+
+template <BinaryOp op>
+void run_binary(at::TensorIteratorBase& iter, int64_t order, int64_t partial,
+                PowExponent exponent = PowExponent::kOther) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, iter.dtype(0),
+                                  "nanfree_elementwise_binary_cpu", [&] {
+    dispatch_binary_partial(order, partial, [&](auto order_c, auto partial_c) {
+      constexpr int kOrder = decltype(order_c)::value, kPartial = decltype(partial_c)::value;
+      auto run = [&](auto e) {
+        constexpr PowExponent kExponent = decltype(e)::value;
+        if constexpr (op == BinaryOp::kPow && kExponent != PowExponent::kOther) {
+          binary_loop<PowElementAtExponent<kExponent, kOrder, kPartial>, kOrder, scalar_t>(iter);
+        } else {
+          binary_loop<BinaryElement<op, kOrder, kPartial>, kOrder, scalar_t>(iter);
+        }
+      };
+      using K = PowExponent;
+      switch (op == BinaryOp::kPow ? exponent : K::kOther) {
+        case K::kTwo: run(std::integral_constant<K, K::kTwo>{}); break;
+        case K::kThree: run(std::integral_constant<K, K::kThree>{}); break;
+        case K::kHalf: run(std::integral_constant<K, K::kHalf>{}); break;
+        case K::kMinusHalf: run(std::integral_constant<K, K::kMinusHalf>{}); break;
+        case K::kMinusOne: run(std::integral_constant<K, K::kMinusOne>{}); break;
+        case K::kMinusTwo: run(std::integral_constant<K, K::kMinusTwo>{}); break;
+        default: run(std::integral_constant<K, K::kOther>{});
+      }
+    });
+  });
+}
+
+template <BinaryOp op>
+struct CpuBinaryKernels {
+  static at::Tensor forward(const at::Tensor& input, const at::Tensor& other) {
+    const auto [a, b] = binary_operands(op, input, other);
+    const at::Tensor undefined_output;  // allocated by the iterator, in torch's layout
+    at::TensorIterator iter = at::TensorIteratorConfig()
+                                  .add_output(undefined_output)
+                                  .add_const_input(a)
+                                  .add_const_input(b)
+                                  .build();
+    run_binary<op>(iter, 0, 0, op == BinaryOp::kPow ? known_exponent(b) : PowExponent::kOther);
+    return iter.output();
+  }
+
+  static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input,
+                             const at::Tensor& other, int64_t order, int64_t partial) {
+    check_binary_backward(op, grad, input, other, order, partial);
+    const at::Tensor undefined_output;
+    at::TensorIterator iter = at::TensorIteratorConfig()
+                                  .add_output(undefined_output)
+                                  .add_const_input(grad)
+                                  .add_const_input(input)
+                                  .add_const_input(other)
+                                  .build();
+    run_binary<op>(iter, order, partial,
+                   op == BinaryOp::kPow ? known_exponent(other) : PowExponent::kOther);
+    return iter.output();
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, CPU, m) { register_binary_kernels<CpuBinaryKernels>(m); }
+
+}  // namespace nanfree

@@ -1,0 +1,93 @@
+// CUDA registration of the elementwise family's binary ops (<op> and
+// <op>_backward of registration.cpp). The checks, dtypes and broadcast shape
+// are shared with the CPU binding (csrc/common/elementwise_op.h); the kernels
+// live in the torch-free elementwise_binary_kernels.cu, which reads flat
+// arrays. The output takes the layout of a dense full-shape operand (grad
+// first, then input, then other; contiguous when there is none); an operand
+// of one element is read as it is (step 0: a scalar `other`, a 0-d
+// exponent), one already in the output's layout too, and any other is first
+// copied, broadcast, into that layout.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "common/elementwise_op.h"
+#include "cuda/aten_device_types.h"
+#include "cuda/cuda_binding.h"
+#include "cuda/elementwise_binary_kernels.h"
+#include "nanfree/elementwise_binary_math.h"
+
+namespace nanfree {
+namespace {
+
+// The output of the broadcast shape, in the layout of the first dense operand of that shape.
+at::Tensor binary_output(at::IntArrayRef shape, std::initializer_list<const at::Tensor*> operands) {
+  for (const at::Tensor* t : operands) {
+    if (t->sizes() == shape && t->is_non_overlapping_and_dense()) return at::empty_like(*t);
+  }
+  const at::Tensor& first = **operands.begin();
+  return at::empty(shape, first.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+// An operand as the kernels read it against `out`: (tensor, step) with step 0
+// for one element, 1 for out's layout (a broadcast copy when it was not in it).
+std::pair<at::Tensor, int64_t> flat_operand(const at::Tensor& t, const at::Tensor& out) {
+  if (t.numel() == 1) return {t, 0};
+  if (t.sizes() == out.sizes() && t.strides() == out.strides()) return {t, 1};
+  at::Tensor copy = at::empty_like(out);
+  copy.copy_(t.expand(out.sizes()));
+  return {copy, 1};
+}
+
+template <BinaryOp op>
+void run_binary(int64_t order, int64_t partial, const at::Tensor& grad, const at::Tensor& a,
+                const at::Tensor& b, at::Tensor& out) {
+  const cudaStream_t stream = current_cuda_stream();
+  const auto [fa, a_step] = flat_operand(a, out);
+  const auto [fb, b_step] = flat_operand(b, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(),
+                                  "nanfree_elementwise_binary_cuda", [&] {
+    dispatch_binary_partial(order, partial, [&](auto order_c, auto partial_c) {
+      constexpr int kOrder = decltype(order_c)::value;
+      const cudaError_t status = gpu::binary_elementwise<op, kOrder, decltype(partial_c)::value>(
+          kOrder > 0 ? device_ptr<scalar_t>(grad) : nullptr, device_ptr<scalar_t>(fa), a_step,
+          device_ptr<scalar_t>(fb), b_step, out.numel(), mutable_device_ptr<scalar_t>(out), stream);
+      NANFREE_CUDA_CHECK(status);
+    });
+  });
+}
+
+template <BinaryOp op>
+struct CudaBinaryKernels {
+  static at::Tensor forward(const at::Tensor& input, const at::Tensor& other) {
+    // Not a CUDAGuard: the emulated build runs this on CPU tensors.
+    const c10::OptionalDeviceGuard device_guard(input.device());
+    const auto [a, b] = binary_operands(op, input, other);
+    const std::vector<int64_t> shape = binary_shape(op, a.sizes(), b.sizes());
+    at::Tensor out = binary_output(shape, {&a, &b});
+    run_binary<op>(0, 0, at::Tensor(), a, b, out);
+    return out;
+  }
+
+  static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input,
+                             const at::Tensor& other, int64_t order, int64_t partial) {
+    const c10::OptionalDeviceGuard device_guard(input.device());
+    check_binary_backward(op, grad, input, other, order, partial);
+    at::Tensor out = binary_output(grad.sizes(), {&grad, &input, &other});
+    // grad is read in out's layout (a copy when it is not dense in it).
+    const at::Tensor g = grad.strides() == out.strides() ? grad : flat_operand(grad, out).first;
+    run_binary<op>(order, partial, g, input, other, out);
+    return out;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
+  register_binary_kernels<CudaBinaryKernels>(m);
+}
+
+}  // namespace nanfree

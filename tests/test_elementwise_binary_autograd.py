@@ -1,0 +1,210 @@
+"""float64 gradcheck and gradgradcheck, torch.library.opcheck and
+torch.compile(fullgraph=True) of the elementwise family's binary ops
+(nanfree.ops.pow, atan2, div_no_nan, xlogy, xlog1py; the ops nanfree::<op>
+and nanfree::<op>_backward), broadcasting and type promotion as torch's
+(gradients summed to each input's shape and returned in its dtype, Python
+numbers either side), the third derivative refused, and torch's behaviour in
+values, gradients and second derivatives inside the domains, layouts, out=
+and autocast."""
+
+import pytest
+import torch
+from conftest import DTYPES, INTERPRETED
+from torch.library import opcheck
+
+import nanfree.ops as nf
+
+OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
+TORCH = {"pow": torch.pow, "atan2": torch.atan2, "div_no_nan": torch.div, "xlogy": torch.xlogy,
+         "xlog1py": torch.special.xlog1py}
+GRADCHECK = dict(fast_mode=INTERPRETED)
+
+
+def _interior(op, shape_a, shape_b, device, seed=0):
+    """float64 (a, b) inside the op's domain, away from its edges and singular
+    points (gradcheck's steps of 1e-6 never cross one)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(shape_a, generator=gen, dtype=torch.float64)
+    v = torch.rand(shape_b, generator=gen, dtype=torch.float64)
+    sign = torch.where(torch.rand(shape_b, generator=gen) < 0.5, -1.0, 1.0).double()
+    a, b = {
+        "pow": (0.2 + 2.8 * u, -2 + 5 * v),
+        "atan2": (-2 + 4 * u, sign * (0.3 + v)),
+        "div_no_nan": (-2 + 4 * u, sign * (0.3 + v)),
+        "xlogy": (-2 + 4 * u, 0.2 + 2.8 * v),
+        "xlog1py": (-2 + 4 * u, -0.8 + 3 * v),
+    }[op]
+    return a.to(device).requires_grad_(True), b.to(device).requires_grad_(True)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((3, 1), (4,))], ids=["same", "broadcast"])
+def test_gradcheck_and_gradgradcheck(device, op, shapes):
+    a, b = _interior(op, *shapes, device)
+    fn = getattr(nf, op)
+    assert torch.autograd.gradcheck(fn, (a, b), **GRADCHECK)
+    assert torch.autograd.gradgradcheck(fn, (a, b), **GRADCHECK)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_matches_torch_inside_the_domain(device, op):
+    a, b = _interior(op, (64,), (64,), device, seed=1)
+    y, t = getattr(nf, op)(a, b), TORCH[op](a, b)
+    torch.testing.assert_close(y, t)
+    ours = torch.autograd.grad(y.sum(), (a, b), create_graph=True)
+    theirs = torch.autograd.grad(t.sum(), (a, b), create_graph=True)
+    for g, tg in zip(ours, theirs):
+        torch.testing.assert_close(g, tg)
+    for g, tg in zip(ours, theirs):
+        second = torch.autograd.grad(g.sum(), (a, b), retain_graph=True, allow_unused=True)
+        t_second = torch.autograd.grad(tg.sum(), (a, b), retain_graph=True, allow_unused=True)
+        for s, ts in zip(second, t_second):
+            ts = torch.zeros_like(a) if ts is None else ts
+            torch.testing.assert_close(s, ts)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_third_derivative_is_refused(device, op):
+    a, b = _interior(op, (4,), (4,), device)
+    y = getattr(nf, op)(a, b)
+    (g,) = torch.autograd.grad(y.sum(), a, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), b, create_graph=True)
+    with pytest.raises(RuntimeError, match=f"{op}_backward.*third derivative"):
+        torch.autograd.grad(gg.sum(), a)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(device, op, dtype):
+    a, b = _interior(op, (3, 5), (3, 5), device)
+    a, b = a.detach().to(dtype), b.detach().to(dtype)
+    opcheck(getattr(torch.ops.nanfree, op), (a, b))
+    g = torch.randn(3, 5, dtype=torch.float64).to(device, dtype)
+    backward = getattr(torch.ops.nanfree, f"{op}_backward")
+    for order, partial in ((1, 0), (1, 1), (2, 0), (2, 1), (2, 2)):
+        opcheck(backward, (g, a, b, order, partial))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck_broadcast_strided_and_requiring_grad(device, op):
+    a, b = _interior(op, (4, 6), (6,), device)
+    opcheck(getattr(torch.ops.nanfree, op), (a.detach()[:, ::2].requires_grad_(True),
+                                             b.detach()[::2].requires_grad_(True)))
+    opcheck(getattr(torch.ops.nanfree, op), (a, b.detach()[0]))
+
+
+@pytest.mark.parametrize("op", OPS if not INTERPRETED else ("pow",))
+def test_compile_fullgraph(device, op):
+    fn = getattr(nf, op)
+
+    def step(a, b, p):
+        return (fn(a * 2, b) + fn(a, p)).sum()
+
+    torch._dynamo.reset()  # one compile cache per op (the step's code object is shared)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    a, b = _interior(op, (8,), (8,), device)
+    a, b = a.detach() / 2, b.detach()
+    for p in (1.5, 2.5):  # a changing Python float
+        ins = [t.clone().requires_grad_(True) for t in (a, b)]
+        ref = [t.clone().requires_grad_(True) for t in (a, b)]
+        compiled(*ins, p).backward()
+        step(*ref, p).backward()
+        for x, y in zip(ins, ref):
+            torch.testing.assert_close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_type_promotion_as_torch(device, op):
+    """Mixed dtypes, 0-d tensors, integers and Python numbers: torch's result dtype;
+    each gradient in its input's dtype."""
+    half = torch.tensor([0.5, 1.5, 2.0], dtype=torch.float16, device=device)
+    cases = [
+        (half, torch.tensor([1.0, 2.0, 3.0], device=device)),       # float16, float32 -> float32
+        (half, torch.tensor(2.0, dtype=torch.float64, device=device)),  # 0-d does not widen
+        (half, 2.5), (2.5, half), (half, 2), (torch.tensor([1, 2, 3], device=device), 2.5),
+        (torch.tensor([1, 2, 3], device=device), torch.tensor([2, 1, 2], device=device)),
+        (torch.tensor([True, False, True], device=device), half),
+    ]
+    for a, b in cases:
+        y = getattr(nf, op)(a, b)
+        if op == "atan2":  # torch.atan2 takes tensors only: a number as a 0-d tensor (same dtype rule)
+            a, b = (x if isinstance(x, torch.Tensor) else torch.tensor(x, device=device)
+                    for x in (a, b))
+        t = TORCH[op](a, b)
+        assert y.dtype == t.dtype, f"{op}({a}, {b}): {y.dtype} vs torch {t.dtype}"
+        assert y.shape == t.shape
+        if y.dtype.is_floating_point:
+            torch.testing.assert_close(y, t, equal_nan=True, rtol=2e-3, atol=1e-3)
+    a = torch.tensor([0.5, 1.5, 2.0], dtype=torch.float16, device=device, requires_grad=True)
+    b = torch.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+    ga, gb = torch.autograd.grad(getattr(nf, op)(a, b).sum(), (a, b))
+    assert ga.dtype == torch.float16 and gb.dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_layouts_as_torch(device, op):
+    a, b = _interior(op, (2, 3, 4, 5), (2, 3, 4, 5), device)
+    a, b = a.detach().float(), b.detach().float()
+    views = [(a, b), (a.transpose(1, 3), b.transpose(1, 3)), (a[:, :, ::2], b[:, :, ::2]),
+             (a.contiguous(memory_format=torch.channels_last),
+              b.contiguous(memory_format=torch.channels_last)),
+             (a, b[0, 0, 0]), (a[0, 0, 0, 0], b), (a[:0], b[:0]), (a[:, :1], b[:1, :, :1])]
+    for x, y in views:
+        ours, theirs = getattr(nf, op)(x, y), TORCH[op](x, y)
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_out_as_torch(device, op):
+    a, b = _interior(op, (5,), (5,), device)
+    a, b = a.detach().float(), b.detach().float()
+    out = torch.empty(5, device=device)
+    r = getattr(nf, op)(a, b, out=out)
+    assert r is out
+    torch.testing.assert_close(out, TORCH[op](a, b))
+    with pytest.warns(UserWarning, match="resized"):
+        getattr(nf, op)(a, b, out=torch.empty(3, device=device))
+    with pytest.raises(TypeError, match=f"nanfree.{op}.*out"):
+        getattr(nf, op)(a, b, out=torch.empty(5, dtype=torch.int64, device=device))
+    with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
+        getattr(nf, op)(a.clone().requires_grad_(True), b, out=out)
+
+
+def test_integer_pow_is_torch_pow(device):
+    x = torch.tensor([0, 1, 2, -3], device=device)
+    for exponent in (2, torch.tensor([3, 0, 1, 2], device=device)):
+        y = nf.pow(x, exponent)
+        assert y.dtype == torch.int64 and torch.equal(y, torch.pow(x, exponent))
+    assert torch.equal(nf.pow(2, x.abs()), torch.pow(2, x.abs()))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_autocast_dtype_as_torch(device, op, dtype):
+    a, b = _interior(op, (4,), (4,), device)
+    a, b = a.detach().to(dtype), b.detach().to(dtype)
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    with torch.autocast(device_type=device, dtype=autocast_dtype):
+        y, t = getattr(nf, op)(a, b), TORCH[op](a, b)
+    assert y.dtype == t.dtype
+
+
+# Every elementwise op and the torch overload whose autocast policy it copies.
+AUTOCAST_TWINS = {"sqrt": "aten::sqrt", "log": "aten::log", "log1p": "aten::log1p",
+                  "acos": "aten::acos", "asin": "aten::asin", "pow": "aten::pow.Tensor_Tensor",
+                  "atan2": "aten::atan2", "div_no_nan": "aten::div.Tensor",
+                  "xlogy": "aten::xlogy.Tensor", "xlog1py": "aten::special_xlog1py"}
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("op", list(AUTOCAST_TWINS))
+@pytest.mark.parametrize("key", ["AutocastCUDA", "AutocastCPU"])
+def test_autocast_rows_as_torch(op, key):
+    """An op has an autocast kernel on a device exactly where the torch op it
+    replaces has one (CUDA: log, log1p, acos, asin, pow run in float32, atan2 at
+    its widest input; CPU: none), so under autocast it returns torch's dtype on
+    GPUs too (checked here without one)."""
+    theirs = torch._C._dispatch_has_kernel_for_dispatch_key(AUTOCAST_TWINS[op], key)
+    ours = torch._C._dispatch_has_kernel_for_dispatch_key(f"nanfree::{op}", key)
+    assert ours == theirs, f"{op} at {key}: nanfree {ours}, torch {theirs}"
