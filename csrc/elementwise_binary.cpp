@@ -7,11 +7,14 @@
 // differentiable (DESIGN.md rule 6): in `grad` its derivative is the same op,
 // in `input` and `other` it is <op>_backward(gg * grad, input, other, 2, ...),
 // the second partial derivatives under the same rules. A third derivative is
-// refused clearly.
+// refused clearly. Where both inputs need a gradient and no graph is recorded,
+// the node calls <op>_gradients instead: both in one pass over grad and the
+// inputs (not differentiable itself: it refuses with a clear error).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 
 #include "common/autograd.h"
 #include "common/elementwise_op.h"
@@ -27,6 +30,8 @@ using torch::autograd::variable_list;
 using BinarySignature = at::Tensor(const at::Tensor&, const at::Tensor&);
 using BinaryBackwardSignature =
     at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using BinaryGradientsSignature =
+    std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 template <BinaryOp op>
 const c10::TypedOperatorHandle<BinarySignature>& binary_handle() {
@@ -39,6 +44,21 @@ const c10::TypedOperatorHandle<BinaryBackwardSignature>& binary_backward_handle(
   static const auto handle =
       find_op<BinaryBackwardSignature>(std::string("nanfree::") + binary_backward_name(op));
   return handle;
+}
+
+template <BinaryOp op>
+const c10::TypedOperatorHandle<BinaryGradientsSignature>& binary_gradients_handle() {
+  static const auto handle =
+      find_op<BinaryGradientsSignature>(std::string("nanfree::") + binary_gradients_name(op));
+  return handle;
+}
+
+// <op>_gradients through the dispatcher (its Autograd kernel below).
+template <BinaryOp op>
+std::tuple<at::Tensor, at::Tensor> call_binary_gradients(const at::Tensor& grad,
+                                                         const at::Tensor& input,
+                                                         const at::Tensor& other) {
+  return binary_gradients_handle<op>().call(grad, input, other);
 }
 
 template <BinaryOp op>
@@ -89,6 +109,11 @@ struct NanfreeBinaryBackward final : torch::autograd::Function<NanfreeBinaryBack
     at::Tensor grad = grads[0];
     if (grad.scalar_type() != a.scalar_type()) grad = grad.to(a.scalar_type());
     variable_list result(2);
+    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1) && !at::GradMode::is_enabled()) {
+      // Both, and no graph to record (create_graph=False): one pass for the two.
+      const auto [grad_a, grad_b] = call_binary_gradients<op>(grad, a, b);
+      return {gradient_of(grad_a, saved[0]), gradient_of(grad_b, saved[1])};
+    }
     for (int64_t partial = 0; partial < 2; ++partial) {
       if (ctx->needs_input_grad(partial)) {
         result[partial] = gradient_of(binary_backward_op<op>(grad, a, b, 1, partial), saved[partial]);
@@ -138,6 +163,15 @@ struct NanfreeBinaryBackwardBackward final
   }
 };
 
+// The node of <op>_gradients called with create_graph=True: refuses to be
+// differentiated (the autograd above calls it only when no graph is recorded).
+template <BinaryOp op>
+struct NanfreeBinaryGradientsBackward final
+    : RefusedDoubleBackward<NanfreeBinaryGradientsBackward<op>, &call_binary_gradients<op>> {
+  static inline const std::string kOpName = "nanfree::" + binary_gradients_name(op);
+  static constexpr const char* kFamily = "elementwise";
+};
+
 template <BinaryOp op>
 struct BinaryAutograd {
   static at::Tensor forward(const at::Tensor& input, const at::Tensor& other) {
@@ -151,6 +185,13 @@ struct BinaryAutograd {
       return call_binary_backward_below_autograd<op>(grad, input, other, order, partial);
     }
     return NanfreeBinaryBackwardBackward<op>::apply(grad, input, other, order, partial)[0];
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> gradients(const at::Tensor& grad,
+                                                      const at::Tensor& input,
+                                                      const at::Tensor& other) {
+    return BackwardOpAutograd<NanfreeBinaryGradientsBackward<op>,
+                              &call_binary_gradients<op>>::kernel(grad, input, other);
   }
 };
 

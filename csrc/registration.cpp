@@ -113,11 +113,16 @@ TORCH_LIBRARY(nanfree, m) {
   // order 1, partial 0 = d/d input, 1 = d/d other; order 2, partial 0, 1, 2 =
   // d2/d input2, d2/d input d other, d2/d other2. `grad`, `input` and `other`
   // share one floating dtype, `grad` has the broadcast shape. Differentiable
-  // once (order 1 through order 2), as double backward needs.
+  // once (order 1 through order 2), as double backward needs. <op>_gradients
+  // gives both first-order ones, (grad * d/d input, grad * d/d other), in one
+  // pass (the backward when both inputs need a gradient and no graph is
+  // recorded); it refuses to be differentiated.
   for (const char* op : {"pow", "atan2", "div_no_nan", "xlogy", "xlog1py"}) {
     m.def((std::string(op) + "(Tensor input, Tensor other) -> Tensor").c_str());
     m.def((std::string(op) +
            "_backward(Tensor grad, Tensor input, Tensor other, int order=1, int partial=0) -> Tensor")
+              .c_str());
+    m.def((std::string(op) + "_gradients(Tensor grad, Tensor input, Tensor other) -> (Tensor, Tensor)")
               .c_str());
   }
 }

@@ -461,10 +461,14 @@ def pow(input, exponent, *, out=None):
     negative base with a non-integer exponent is clamped to 0 (value pow(0, p),
     gradients 0), where torch's value and gradients are NaN. Integer base and
     exponent: torch.pow's integer result (no gradient to guard)."""
-    if all(not (isinstance(t, torch.Tensor) and t.dtype.is_floating_point or
-                isinstance(t, torch.Tensor) and t.dtype.is_complex or isinstance(t, float))
-           for t in (input, exponent)) and any(isinstance(t, torch.Tensor) for t in (input, exponent)):
-        return torch.pow(input, exponent, out=out) if out is not None else torch.pow(input, exponent)
+    def integral(t):  # an integer or bool tensor, or a Python / numpy integer
+        if isinstance(t, torch.Tensor):
+            return not (t.dtype.is_floating_point or t.dtype.is_complex)
+        return isinstance(t, int) or type(t).__name__.startswith(("int", "uint"))
+
+    if integral(input) and integral(exponent) and (isinstance(input, torch.Tensor)
+                                                   or isinstance(exponent, torch.Tensor)):
+        return torch.pow(input, exponent) if out is None else torch.pow(input, exponent, out=out)
     return _binary("pow", input, exponent, out, other_name="exponent")
 
 

@@ -184,6 +184,8 @@ def calls(quick):
                     inputs = (a, b) if other == "tensor" else (a,)
                     grads = torch.autograd.grad(getattr(ops, op)(a, b).sum(), inputs, create_graph=True)
                     backward(sum(g.sum() for g in grads))
+                    # Without a graph, both gradients in one pass (<op>_gradients).
+                    torch.autograd.grad(getattr(ops, op)(a, b).sum(), inputs)
                 found.append((f"{op} {dtype} {other}", binary_call))
     return found
 

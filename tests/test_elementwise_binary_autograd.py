@@ -208,3 +208,37 @@ def test_autocast_rows_as_torch(op, key):
     theirs = torch._C._dispatch_has_kernel_for_dispatch_key(AUTOCAST_TWINS[op], key)
     ours = torch._C._dispatch_has_kernel_for_dispatch_key(f"nanfree::{op}", key)
     assert ours == theirs, f"{op} at {key}: nanfree {ours}, torch {theirs}"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_both_gradients_in_one_pass_equal_the_partials(device, op, dtype):
+    """Where both inputs need a gradient and no graph is recorded, the backward is
+    <op>_gradients (one pass): the same gradients as <op>_backward's two partials,
+    at every pair of the special-value grid and with broadcasting; opcheck passes;
+    differentiating it is refused."""
+    from test_elementwise_binary_special_values import _grid
+
+    a, b = (t.to(device) for t in _grid(op, dtype))
+    g = torch.randn(a.shape, dtype=torch.float64).to(device, dtype)
+    backward = getattr(torch.ops.nanfree, f"{op}_backward")
+    gradients = getattr(torch.ops.nanfree, f"{op}_gradients")
+    ga, gb = gradients(g, a, b)
+    torch.testing.assert_close(ga, backward(g, a, b, 1, 0), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gb, backward(g, a, b, 1, 1), rtol=0, atol=0, equal_nan=True)
+    ia, ib = (t.detach().to(dtype) for t in _interior(op, (3, 5), (5,), device))
+    opcheck(gradients, (torch.randn(3, 5, dtype=torch.float64).to(device, dtype), ia, ib))
+    row, col = a[:12].reshape(3, 4), b[:4]
+    gg = g[:12].reshape(3, 4)
+    ga, gb = gradients(gg, row, col)
+    torch.testing.assert_close(ga, backward(gg, row, col, 1, 0), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gb, backward(gg, row, col, 1, 1), rtol=0, atol=0, equal_nan=True)
+    # through autograd: the one-pass path (both need a gradient, no graph) and the partials
+    x, y = (t[:15].detach().requires_grad_(True) for t in (a, b))
+    fused = torch.autograd.grad(getattr(nf, op)(x, y), (x, y), g[:15])
+    (single,) = torch.autograd.grad(getattr(nf, op)(x, y.detach()), x, g[:15])
+    torch.testing.assert_close(fused[0], single, rtol=0, atol=0, equal_nan=True)
+    x, y = (t.detach().requires_grad_(True) for t in (g[:15], a[:15]))
+    with pytest.raises(RuntimeError, match=f"{op}_gradients has no derivative"):
+        out = gradients(x, y, b[:15])
+        torch.autograd.grad(out[0].sum() + out[1].sum(), (x, y))

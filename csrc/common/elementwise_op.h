@@ -4,8 +4,8 @@
 // <op>_backward(grad, input, order) of csrc/registration.cpp, <op> in
 // kUnaryOpNames (the order of UnaryOp in nanfree/elementwise_math.h). Binary
 // ops: <op>(input, other) and <op>_backward(grad, input, other, order,
-// partial), <op> in kBinaryOpNames (the order of BinaryOp in
-// nanfree/elementwise_binary_math.h).
+// partial) and <op>_gradients(grad, input, other), <op> in kBinaryOpNames (the
+// order of BinaryOp in nanfree/elementwise_binary_math.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -137,19 +137,13 @@ inline std::pair<at::Tensor, at::Tensor> binary_operands(BinaryOp op, const at::
   return {a.to(dtype), b.to(dtype)};
 }
 
-// <op>_backward's arguments: input and other of one floating dtype and device
-// that broadcast to grad's shape, grad of that dtype, order 1 (partial 0 = d/d
-// input, 1 = d/d other) or 2 (partial 0, 1, 2 = d2/d input2, d2/d input d other,
-// d2/d other2).
-inline void check_binary_backward(BinaryOp op, const at::Tensor& grad, const at::Tensor& input,
-                                  const at::Tensor& other, int64_t order, int64_t partial) {
-  const std::string name = binary_backward_name(op);
+// The arguments of a binary op's backward op `name` (<op>_backward or
+// <op>_gradients): input and other of one floating dtype and device that
+// broadcast to grad's shape, grad of that dtype.
+inline void check_binary_gradient_operands(BinaryOp op, const std::string& name,
+                                           const at::Tensor& grad, const at::Tensor& input,
+                                           const at::Tensor& other) {
   check_float_input(name.c_str(), "input", input);
-  TORCH_CHECK_VALUE(order == 1 || order == 2, "nanfree.", name,
-                    ": `order` must be 1 (the derivative) or 2 (the second derivative), got ",
-                    order);
-  TORCH_CHECK_VALUE(partial >= 0 && partial <= order, "nanfree.", name, ": `partial` must be in [0, ",
-                    order, "] for order ", order, ", got ", partial);
   TORCH_CHECK_VALUE(other.scalar_type() == input.scalar_type() &&
                         grad.scalar_type() == input.scalar_type(),
                     "nanfree.", name, ": `grad`, `input` and `other` must have one dtype, got ",
@@ -160,6 +154,23 @@ inline void check_binary_backward(BinaryOp op, const at::Tensor& grad, const at:
                     grad.sizes());
   check_same_device(name.c_str(), "other", input, other);
   check_same_device(name.c_str(), "grad", input, grad);
+}
+
+// <op>_backward's arguments: those above, order 1 (partial 0 = d/d input, 1 =
+// d/d other) or 2 (partial 0, 1, 2 = d2/d input2, d2/d input d other, d2/d other2).
+inline void check_binary_backward(BinaryOp op, const at::Tensor& grad, const at::Tensor& input,
+                                  const at::Tensor& other, int64_t order, int64_t partial) {
+  const std::string name = binary_backward_name(op);
+  TORCH_CHECK_VALUE(order == 1 || order == 2, "nanfree.", name,
+                    ": `order` must be 1 (the derivative) or 2 (the second derivative), got ",
+                    order);
+  TORCH_CHECK_VALUE(partial >= 0 && partial <= order, "nanfree.", name, ": `partial` must be in [0, ",
+                    order, "] for order ", order, ", got ", partial);
+  check_binary_gradient_operands(op, name, grad, input, other);
+}
+
+inline std::string binary_gradients_name(BinaryOp op) {
+  return std::string(binary_op_name(op)) + "_gradients";
 }
 
 // Calls f(std::integral_constant<int, order>, std::integral_constant<int, partial>)
@@ -179,8 +190,8 @@ void dispatch_binary_partial(int64_t order, int64_t partial, F&& f) {
   }
 }
 
-// Registers Kernels<op>::forward as <op> and Kernels<op>::backward as
-// <op>_backward for every binary op.
+// Registers Kernels<op>::forward as <op>, Kernels<op>::backward as
+// <op>_backward and Kernels<op>::gradients as <op>_gradients for every binary op.
 template <template <BinaryOp> class Kernels, int... index>
 void register_binary_kernels(torch::Library& m, std::integer_sequence<int, index...>) {
   (m.impl(binary_op_name(static_cast<BinaryOp>(index)),
@@ -188,6 +199,9 @@ void register_binary_kernels(torch::Library& m, std::integer_sequence<int, index
    ...);
   (m.impl(binary_backward_name(static_cast<BinaryOp>(index)).c_str(),
           &Kernels<static_cast<BinaryOp>(index)>::backward),
+   ...);
+  (m.impl(binary_gradients_name(static_cast<BinaryOp>(index)).c_str(),
+          &Kernels<static_cast<BinaryOp>(index)>::gradients),
    ...);
 }
 

@@ -1,6 +1,7 @@
-// CPU kernels of the elementwise family's binary ops: <op>(input, other) and
-// <op>_backward(grad, input, other, order, partial) of csrc/registration.cpp,
-// one TensorIterator loop per op, order and partial that applies
+// CPU kernels of the elementwise family's binary ops: <op>(input, other),
+// <op>_backward(grad, input, other, order, partial) and <op>_gradients(grad,
+// input, other) of csrc/registration.cpp, one TensorIterator loop per op,
+// order and partial (both partials for <op>_gradients, two outputs) that applies
 // nanfree/elementwise_binary_math.h to each element. TensorIterator
 // broadcasts the operands, gives the output torch's layout and splits the work
 // over threads. Runs where the output is contiguous and each input contiguous
@@ -16,6 +17,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 #include "cpu/elementwise.h"  // before the headers: their vector primitives
@@ -57,60 +59,74 @@ struct PowElementAtExponent {
   }
 };
 
-// Runs Element over iter: operands (out, a, b) for order 0, (out, grad, a, b) else.
-template <typename Element, int order, typename scalar_t>
+// Runs Elements over iter, one output each: operands (out..., a, b) without
+// grad, (out..., grad, a, b) with it.
+template <bool kGrad, typename scalar_t, typename... Elements>
 void binary_loop(at::TensorIteratorBase& iter) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
-  constexpr int kTensors = order == 0 ? 3 : 4;
-  constexpr int kFirst = kTensors - 2;  // the operand index of a (b follows)
+  constexpr int kOutputs = static_cast<int>(sizeof...(Elements));
+  constexpr int kGradIndex = kOutputs;
+  constexpr int kFirst = kOutputs + (kGrad ? 1 : 0);  // the operand index of a (b follows)
+  constexpr int kTensors = kFirst + 2;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
   const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
   const V bound_vec(bound);
   iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
-    bool vector_run = strides[0] == kSize;
-    for (int t = 1; t < kTensors; ++t) vector_run = vector_run && (strides[t] == kSize || strides[t] == 0);
+    bool vector_run = true;
+    for (int t = 0; t < kOutputs; ++t) vector_run = vector_run && strides[t] == kSize;
+    for (int t = kOutputs; t < kTensors; ++t) {
+      vector_run = vector_run && (strides[t] == kSize || strides[t] == 0);
+    }
     for (int64_t i1 = 0; i1 < n1; ++i1) {
       char* ptr[kTensors];
       for (int t = 0; t < kTensors; ++t) ptr[t] = data[t] + i1 * strides[kTensors + t];
       if (vector_run) {
-        auto* out = reinterpret_cast<scalar_t*>(ptr[0]);
-        const bool a_broadcast = strides[kFirst] == 0, b_broadcast = strides[kFirst + 1] == 0;
-        const bool g_broadcast = order > 0 && strides[1] == 0;
+        auto load = [&](int t, int64_t j, int64_t count) {
+          return load_run<scalar_t>(ptr[t], strides[t] == 0, j, count);
+        };
+        // The elements [j, j + count) of every output.
+        auto step = [&](int64_t j, int64_t count) {
+          const V a = load(kFirst, j, count), b = load(kFirst + 1, j, count);
+          const V g = kGrad ? load(kGradIndex, j, count) : V(acc_t(0));
+          int t = 0;
+          ((cpu::store_vec<scalar_t>(Elements::apply(g, a, b, bound_vec),
+                                     reinterpret_cast<scalar_t*>(ptr[t]) + j, count),
+            ++t),
+           ...);
+        };
         int64_t j = 0;
         // Two vectors per step: their C library calls (Sleef's pow, log) overlap.
         for (; j + 2 * V::size() <= n0; j += 2 * V::size()) {
           const int64_t k = j + V::size();
-          const V a0 = load_run<scalar_t>(ptr[kFirst], a_broadcast, j, V::size());
-          const V a1 = load_run<scalar_t>(ptr[kFirst], a_broadcast, k, V::size());
-          const V b0 = load_run<scalar_t>(ptr[kFirst + 1], b_broadcast, j, V::size());
-          const V b1 = load_run<scalar_t>(ptr[kFirst + 1], b_broadcast, k, V::size());
+          const V a0 = load(kFirst, j, V::size()), a1 = load(kFirst, k, V::size());
+          const V b0 = load(kFirst + 1, j, V::size()), b1 = load(kFirst + 1, k, V::size());
           V g0(acc_t(0)), g1(acc_t(0));
-          if constexpr (order > 0) {
-            g0 = load_run<scalar_t>(ptr[1], g_broadcast, j, V::size());
-            g1 = load_run<scalar_t>(ptr[1], g_broadcast, k, V::size());
+          if constexpr (kGrad) {
+            g0 = load(kGradIndex, j, V::size());
+            g1 = load(kGradIndex, k, V::size());
           }
-          const V y0 = Element::apply(g0, a0, b0, bound_vec);
-          const V y1 = Element::apply(g1, a1, b1, bound_vec);
-          cpu::store_vec<scalar_t>(y0, out + j, V::size());
-          cpu::store_vec<scalar_t>(y1, out + k, V::size());
+          int t = 0;
+          ((cpu::store_vec<scalar_t>(Elements::apply(g0, a0, b0, bound_vec),
+                                     reinterpret_cast<scalar_t*>(ptr[t]) + j, V::size()),
+            cpu::store_vec<scalar_t>(Elements::apply(g1, a1, b1, bound_vec),
+                                     reinterpret_cast<scalar_t*>(ptr[t]) + k, V::size()),
+            ++t),
+           ...);
         }
-        for (; j < n0; j += V::size()) {
-          const int64_t count = std::min<int64_t>(V::size(), n0 - j);
-          const V a = load_run<scalar_t>(ptr[kFirst], strides[kFirst] == 0, j, count);
-          const V b = load_run<scalar_t>(ptr[kFirst + 1], strides[kFirst + 1] == 0, j, count);
-          const V g = order == 0 ? V(acc_t(0)) : load_run<scalar_t>(ptr[1], strides[1] == 0, j, count);
-          cpu::store_vec<scalar_t>(Element::apply(g, a, b, bound_vec), out + j,
-                                   count);
-        }
+        for (; j < n0; j += V::size()) step(j, std::min<int64_t>(V::size(), n0 - j));
       } else {
         for (int64_t j = 0; j < n0; ++j) {
           auto read = [&](int t) {
             return static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(ptr[t] + j * strides[t]));
           };
-          const acc_t g = order == 0 ? acc_t(0) : read(1);
-          *reinterpret_cast<scalar_t*>(ptr[0] + j * strides[0]) = static_cast<scalar_t>(
-              Element::apply(g, read(kFirst), read(kFirst + 1), bound));
+          const acc_t a = read(kFirst), b = read(kFirst + 1);
+          const acc_t g = kGrad ? read(kGradIndex) : acc_t(0);
+          int t = 0;
+          ((*reinterpret_cast<scalar_t*>(ptr[t] + j * strides[t]) =
+                static_cast<scalar_t>(Elements::apply(g, a, b, bound)),
+            ++t),
+           ...);
         }
       }
     }
@@ -124,31 +140,50 @@ PowExponent known_exponent(const at::Tensor& exponent) {
   return pow_exponent_kind(exponent.item<double>());
 }
 
+// Calls f(std::integral_constant<PowExponent, e>) with pow's known exponent e
+// (kOther for every other op and exponent): one instantiation each.
+template <BinaryOp op, typename F>
+void dispatch_exponent(PowExponent exponent, F&& f) {
+  using K = PowExponent;
+  switch (op == BinaryOp::kPow ? exponent : K::kOther) {
+    case K::kTwo: f(std::integral_constant<K, K::kTwo>{}); break;
+    case K::kThree: f(std::integral_constant<K, K::kThree>{}); break;
+    case K::kHalf: f(std::integral_constant<K, K::kHalf>{}); break;
+    case K::kMinusHalf: f(std::integral_constant<K, K::kMinusHalf>{}); break;
+    case K::kMinusOne: f(std::integral_constant<K, K::kMinusOne>{}); break;
+    case K::kMinusTwo: f(std::integral_constant<K, K::kMinusTwo>{}); break;
+    default: f(std::integral_constant<K, K::kOther>{});
+  }
+}
+
+// The element of an order and partial: pow's at a known exponent, else the header's.
+template <BinaryOp op, PowExponent e, int order, int partial>
+using ElementOf = std::conditional_t<op == BinaryOp::kPow && e != PowExponent::kOther,
+                                     PowElementAtExponent<e, order, partial>,
+                                     BinaryElement<op, order, partial>>;
+
 template <BinaryOp op>
 void run_binary(at::TensorIteratorBase& iter, int64_t order, int64_t partial,
-                PowExponent exponent = PowExponent::kOther) {
+                PowExponent exponent) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, iter.dtype(0),
                                   "nanfree_elementwise_binary_cpu", [&] {
     dispatch_binary_partial(order, partial, [&](auto order_c, auto partial_c) {
       constexpr int kOrder = decltype(order_c)::value, kPartial = decltype(partial_c)::value;
-      auto run = [&](auto e) {
-        constexpr PowExponent kExponent = decltype(e)::value;
-        if constexpr (op == BinaryOp::kPow && kExponent != PowExponent::kOther) {
-          binary_loop<PowElementAtExponent<kExponent, kOrder, kPartial>, kOrder, scalar_t>(iter);
-        } else {
-          binary_loop<BinaryElement<op, kOrder, kPartial>, kOrder, scalar_t>(iter);
-        }
-      };
-      using K = PowExponent;
-      switch (op == BinaryOp::kPow ? exponent : K::kOther) {
-        case K::kTwo: run(std::integral_constant<K, K::kTwo>{}); break;
-        case K::kThree: run(std::integral_constant<K, K::kThree>{}); break;
-        case K::kHalf: run(std::integral_constant<K, K::kHalf>{}); break;
-        case K::kMinusHalf: run(std::integral_constant<K, K::kMinusHalf>{}); break;
-        case K::kMinusOne: run(std::integral_constant<K, K::kMinusOne>{}); break;
-        case K::kMinusTwo: run(std::integral_constant<K, K::kMinusTwo>{}); break;
-        default: run(std::integral_constant<K, K::kOther>{});
-      }
+      dispatch_exponent<op>(exponent, [&](auto e) {
+        binary_loop<(kOrder > 0), scalar_t, ElementOf<op, decltype(e)::value, kOrder, kPartial>>(iter);
+      });
+    });
+  });
+}
+
+// Both gradients over iter (operands grad_a, grad_b, grad, a, b).
+template <BinaryOp op>
+void run_gradients(at::TensorIteratorBase& iter, PowExponent exponent) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, iter.dtype(0),
+                                  "nanfree_elementwise_binary_gradients_cpu", [&] {
+    dispatch_exponent<op>(exponent, [&](auto e) {
+      constexpr PowExponent kExponent = decltype(e)::value;
+      binary_loop<true, scalar_t, ElementOf<op, kExponent, 1, 0>, ElementOf<op, kExponent, 1, 1>>(iter);
     });
   });
 }
@@ -180,6 +215,21 @@ struct CpuBinaryKernels {
     run_binary<op>(iter, order, partial,
                    op == BinaryOp::kPow ? known_exponent(other) : PowExponent::kOther);
     return iter.output();
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> gradients(const at::Tensor& grad, const at::Tensor& input,
+                                                      const at::Tensor& other) {
+    check_binary_gradient_operands(op, binary_gradients_name(op), grad, input, other);
+    const at::Tensor undefined_output;
+    at::TensorIterator iter = at::TensorIteratorConfig()
+                                  .add_output(undefined_output)
+                                  .add_output(undefined_output)
+                                  .add_const_input(grad)
+                                  .add_const_input(input)
+                                  .add_const_input(other)
+                                  .build();
+    run_gradients<op>(iter, op == BinaryOp::kPow ? known_exponent(other) : PowExponent::kOther);
+    return {iter.output(0), iter.output(1)};
   }
 };
 

@@ -12,6 +12,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <tuple>
 #include <vector>
 
 #include "common/elementwise_op.h"
@@ -81,6 +82,27 @@ struct CudaBinaryKernels {
     const at::Tensor g = grad.strides() == out.strides() ? grad : flat_operand(grad, out).first;
     run_binary<op>(order, partial, g, input, other, out);
     return out;
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> gradients(const at::Tensor& grad, const at::Tensor& input,
+                                                      const at::Tensor& other) {
+    const c10::OptionalDeviceGuard device_guard(input.device());
+    check_binary_gradient_operands(op, binary_gradients_name(op), grad, input, other);
+    at::Tensor grad_a = binary_output(grad.sizes(), {&grad, &input, &other});
+    at::Tensor grad_b = at::empty_like(grad_a);
+    const at::Tensor g = grad.strides() == grad_a.strides() ? grad : flat_operand(grad, grad_a).first;
+    const auto [fa, a_step] = flat_operand(input, grad_a);
+    const auto [fb, b_step] = flat_operand(other, grad_a);
+    const cudaStream_t stream = current_cuda_stream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+                                    "nanfree_elementwise_binary_gradients_cuda", [&] {
+      const cudaError_t status = gpu::binary_gradients_elementwise<op>(
+          device_ptr<scalar_t>(g), device_ptr<scalar_t>(fa), a_step, device_ptr<scalar_t>(fb),
+          b_step, grad_a.numel(), mutable_device_ptr<scalar_t>(grad_a),
+          mutable_device_ptr<scalar_t>(grad_b), stream);
+      NANFREE_CUDA_CHECK(status);
+    });
+    return {grad_a, grad_b};
   }
 };
 

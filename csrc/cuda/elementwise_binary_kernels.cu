@@ -1,6 +1,6 @@
 // CUDA kernels of the elementwise family's binary ops (launchers declared in
 // elementwise_binary_kernels.h): one grid-stride loop per op, order, partial
-// and element type over flat arrays, 16-byte vector accesses when every
+// and element type (and one per op and type writing both gradients) over flat arrays, 16-byte vector accesses when every
 // pointer of a full-length operand allows them (a step-0 operand is one
 // element, read once per vector), each element through binary_element of
 // nanfree/elementwise_binary_math.h in the accumulation type.
@@ -61,7 +61,52 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Both gradients of elements [0, n) in chunks of kVec (as binary_kernel).
+template <BinaryOp op, int kVec, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    gradients_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
+                     int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
+                     scalar_t* __restrict__ grad_a, scalar_t* __restrict__ grad_b) {
+  using acc_t = acc_of_t<scalar_t>;
+  const acc_t bound = largest_finite<scalar_t>();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVec;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < n;
+       i += stride) {
+    acc_t as[kVec], bs[kVec], gs[kVec], ga[kVec], gb[kVec];
+    load_operand<kVec>(a, a_step, i, as);
+    load_operand<kVec>(b, b_step, i, bs);
+    load_acc<kVec>(grad + i, gs);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      nanfree::binary_gradients<op>(gs[k], as[k], bs[k], bound, ga[k], gb[k]);
+    }
+    store_acc<kVec>(grad_a + i, ga);
+    store_acc<kVec>(grad_b + i, gb);
+  }
+}
+
 }  // namespace
+
+template <BinaryOp op, typename scalar_t>
+cudaError_t binary_gradients_elementwise(const scalar_t* grad, const scalar_t* a,
+                                         int64_t a_step, const scalar_t* b, int64_t b_step,
+                                         int64_t n, scalar_t* grad_a, scalar_t* grad_b,
+                                         cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  constexpr int kVec = vec_width<scalar_t>();
+  const bool vec = vector_aligned(a, a_step) && vector_aligned(b, b_step) &&
+                   vector_aligned(grad) && vector_aligned(grad_a) && vector_aligned(grad_b);
+  const int64_t body = vec ? n / kVec * kVec : 0;
+  if (body > 0) {
+    const cudaError_t error =
+        elementwise_flat::launch(gradients_kernel<op, kVec, scalar_t>, body / kVec, stream, grad, a,
+                                 a_step, b, b_step, body, grad_a, grad_b);
+    if (error != cudaSuccess || body == n) return error;
+  }
+  return elementwise_flat::launch(gradients_kernel<op, 1, scalar_t>, n - body, stream, grad + body,
+                                  a + body * a_step, a_step, b + body * b_step, b_step, n - body,
+                                  grad_a + body, grad_b + body);
+}
 
 template <BinaryOp op, int order, int partial, typename scalar_t>
 cudaError_t binary_elementwise(const scalar_t* grad, const scalar_t* a, int64_t a_step,

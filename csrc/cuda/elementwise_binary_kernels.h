@@ -31,12 +31,23 @@ cudaError_t binary_elementwise(const scalar_t* grad, const scalar_t* a, int64_t 
                                const scalar_t* b, int64_t b_step, int64_t n, scalar_t* out,
                                cudaStream_t stream);
 
+// grad_a[i], grad_b[i] = binary_gradients<op> of the header at (grad[i], a[i * a_step], b[i * b_step]):
+// both first-order gradients in one pass (<op>_gradients).
+template <BinaryOp op, typename scalar_t>
+cudaError_t binary_gradients_elementwise(const scalar_t* grad, const scalar_t* a,
+                                         int64_t a_step, const scalar_t* b, int64_t b_step,
+                                         int64_t n, scalar_t* grad_a, scalar_t* grad_b,
+                                         cudaStream_t stream);
+
 // Defined and instantiated in elementwise_binary_kernels.cu for every op, order,
 // partial and element type.
 #define NANFREE_BINARY_LAUNCHER(PREFIX, OP, ORDER, PARTIAL, T)                                 \
   PREFIX template cudaError_t binary_elementwise<OP, ORDER, PARTIAL, T>(                       \
       const T*, const T*, int64_t, const T*, int64_t, int64_t, T*, cudaStream_t);
-#define NANFREE_BINARY_LAUNCHERS_OF(PREFIX, OP, T) \
+#define NANFREE_BINARY_LAUNCHERS_OF(PREFIX, OP, T)                       \
+  PREFIX template cudaError_t binary_gradients_elementwise<OP, T>(         \
+      const T*, const T*, int64_t, const T*, int64_t, int64_t, T*, T*,     \
+      cudaStream_t);                                                       \
   NANFREE_BINARY_LAUNCHER(PREFIX, OP, 0, 0, T)     \
   NANFREE_BINARY_LAUNCHER(PREFIX, OP, 1, 0, T)     \
   NANFREE_BINARY_LAUNCHER(PREFIX, OP, 1, 1, T)     \

@@ -17,7 +17,8 @@ from .common import check_device, check_float, fake_kernels
 UNARY_OPS = ("sqrt", "log", "log1p", "acos", "asin")
 BINARY_OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
 FORWARD_OPS = UNARY_OPS + BINARY_OPS
-BACKWARD_OPS = tuple(f"{op}_backward" for op in FORWARD_OPS)
+BACKWARD_OPS = (tuple(f"{op}_backward" for op in FORWARD_OPS) +
+                tuple(f"{op}_gradients" for op in BINARY_OPS))
 OPS = FORWARD_OPS + BACKWARD_OPS
 
 
@@ -88,13 +89,18 @@ def binary_operands(op, input, other):
 
 def check_binary_backward(op, grad, input, other, order, partial):
     name = f"{op}_backward"
-    check_float(name, "input", input)
     if order not in (1, 2):
         raise ValueError(f"nanfree.{name}: `order` must be 1 (the derivative) or 2 (the second "
                          f"derivative), got {order}")
     if not 0 <= partial <= order:
         raise ValueError(f"nanfree.{name}: `partial` must be in [0, {order}] for order {order}, "
                          f"got {partial}")
+    check_binary_gradient_operands(op, name, grad, input, other)
+
+
+def check_binary_gradient_operands(op, name, grad, input, other):
+    """The arguments of op's backward op `name` (<op>_backward, <op>_gradients)."""
+    check_float(name, "input", input)
     if not grad.dtype == input.dtype == other.dtype:
         raise ValueError(f"nanfree.{name}: `grad`, `input` and `other` must have one dtype, got "
                          f"{grad.dtype}, {input.dtype}, {other.dtype}")
@@ -161,9 +167,10 @@ def unary_kernels(forward, backward):
     return kernels
 
 
-def binary_kernels(forward, backward):
-    """As unary_kernels for the binary ops, from forward(op, input, other) and
-    backward(op, grad, input, other, order, partial)."""
+def binary_kernels(forward, backward, gradients):
+    """As unary_kernels for the binary ops, from forward(op, input, other),
+    backward(op, grad, input, other, order, partial) and gradients(op, grad,
+    input, other)."""
     kernels = {}
     for op in BINARY_OPS:
         def kernel(input, other, op=op):
@@ -172,8 +179,13 @@ def binary_kernels(forward, backward):
         def backward_kernel(grad, input, other, order=1, partial=0, op=op):
             return backward(op, grad, input, other, order, partial)
 
+        def gradients_kernel(grad, input, other, op=op):
+            return gradients(op, grad, input, other)
+
         kernel.__name__, backward_kernel.__name__ = op, f"{op}_backward"
+        gradients_kernel.__name__ = f"{op}_gradients"
         kernels[op], kernels[f"{op}_backward"] = kernel, backward_kernel
+        kernels[f"{op}_gradients"] = gradients_kernel
     return kernels
 
 
@@ -210,8 +222,18 @@ def _fake_binary_backward(op):
     return fake
 
 
+def _fake_binary_gradients(op):
+    def fake(grad, input, other):
+        check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
+        out = binary_output(grad, input)
+        return out, torch.empty_like(out)
+
+    return fake
+
+
 def register():
     fake_kernels([(op, _fake_unary(op)) for op in UNARY_OPS] +
                  [(f"{op}_backward", _fake_unary_backward(op)) for op in UNARY_OPS] +
                  [(op, _fake_binary(op)) for op in BINARY_OPS] +
-                 [(f"{op}_backward", _fake_binary_backward(op)) for op in BINARY_OPS])
+                 [(f"{op}_backward", _fake_binary_backward(op)) for op in BINARY_OPS] +
+                 [(f"{op}_gradients", _fake_binary_gradients(op)) for op in BINARY_OPS])

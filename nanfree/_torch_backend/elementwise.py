@@ -379,5 +379,18 @@ def _binary_backward(op, grad, input, other, order=1, partial=0):
     return out
 
 
-# pow, pow_backward, ..., xlog1py_backward: one function per op, named as the op.
-globals().update(_ew.binary_kernels(_binary, _binary_backward))
+def _binary_gradients(op, grad, input, other):
+    _ew.check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
+    acc = acc_dtype(input.dtype)
+    a, b, g = input.to(acc), other.to(acc), grad.to(acc)
+    bound = nf_largest(input.dtype)
+    outs = []
+    for partial in (0, 1):
+        out = _ew.binary_output(grad, input)
+        out.copy_(chain_rule(g, _BINARY_FUNCTIONS[op][1, partial](a, b).expand(grad.shape), bound))
+        outs.append(out)
+    return tuple(outs)
+
+
+# pow, pow_backward, pow_gradients, ..., xlog1py_gradients: one function per op, named as the op.
+globals().update(_ew.binary_kernels(_binary, _binary_backward, _binary_gradients))

@@ -538,9 +538,11 @@ def binary_function(a, b, OP: tl.constexpr, ORDER: tl.constexpr, PARTIAL: tl.con
 
 
 @triton.jit
-def _binary_kernel(grad_ptr, a_ptr, a_step, b_ptr, b_step, out_ptr, n, OP: tl.constexpr,
-                   ORDER: tl.constexpr, PARTIAL: tl.constexpr, ACC: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _binary_kernel(grad_ptr, a_ptr, a_step, b_ptr, b_step, out_ptr, out2_ptr, n,
+                   OP: tl.constexpr, ORDER: tl.constexpr, PARTIAL: tl.constexpr,
+                   BOTH: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """The value (ORDER 0), one partial times grad, or (BOTH) both first-order
+    gradients into out and out2 (<op>_gradients, binary_gradients of the header)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     a = load_acc(a_ptr, offs * a_step, inside, ACC)  # step 0: one element everywhere
@@ -549,7 +551,13 @@ def _binary_kernel(grad_ptr, a_ptr, a_step, b_ptr, b_step, out_ptr, n, OP: tl.co
         y = binary_function(a, b, OP, 0, 0)
     else:
         g = load_acc(grad_ptr, offs, inside, ACC)
-        y = chain_rule(g, binary_function(a, b, OP, ORDER, PARTIAL), largest_finite(out_ptr))
+        bound = largest_finite(out_ptr)
+        if BOTH:
+            store_rounded(out2_ptr, offs, chain_rule(g, binary_function(a, b, OP, 1, 1),
+                                                     bound).to(ACC), inside)
+            y = chain_rule(g, binary_function(a, b, OP, 1, 0), bound)
+        else:
+            y = chain_rule(g, binary_function(a, b, OP, ORDER, PARTIAL), bound)
     store_rounded(out_ptr, offs, y.to(ACC), inside)
 
 
@@ -602,7 +610,7 @@ def _flat_operand(t, out):
     return copy, 1
 
 
-def _launch_binary(op, order, partial, grad, a, b, out):
+def _launch_binary(op, order, partial, grad, a, b, out, out2=None):
     n = out.numel()
     if n == 0:
         return out
@@ -611,8 +619,9 @@ def _launch_binary(op, order, partial, grad, a, b, out):
     g = fa if grad is None else _flat_operand(grad, out)[0]
     with device_guard(out):
         _binary_kernel[(triton.cdiv(n, _BLOCK),)](
-            g, fa, a_step, fb, b_step, out, n, OP=_ew.BINARY_OPS.index(op), ORDER=order,
-            PARTIAL=partial, ACC=_TL_ACC[acc_dtype(out.dtype)], BLOCK=_BLOCK)
+            g, fa, a_step, fb, b_step, out, out if out2 is None else out2, n,
+            OP=_ew.BINARY_OPS.index(op), ORDER=order, PARTIAL=partial, BOTH=out2 is not None,
+            ACC=_TL_ACC[acc_dtype(out.dtype)], BLOCK=_BLOCK)
     return out
 
 
@@ -628,5 +637,14 @@ def _binary_backward(op, grad, input, other, order=1, partial=0):
     return _launch_binary(op, order, partial, grad, input, other, _ew.binary_output(grad, input))
 
 
-# pow, pow_backward, ..., xlog1py_backward: one function per op, named as the op.
-globals().update(_ew.binary_kernels(_binary, _binary_backward))
+def _binary_gradients(op, grad, input, other):
+    _ew.check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
+    _check_runnable(f"{op}_gradients", input)
+    grad_a = _ew.binary_output(grad, input)
+    grad_b = torch.empty_like(grad_a)
+    _launch_binary(op, 1, 0, grad, input, other, grad_a, grad_b)
+    return grad_a, grad_b
+
+
+# pow, pow_backward, pow_gradients, ..., xlog1py_gradients: one function per op, named as the op.
+globals().update(_ew.binary_kernels(_binary, _binary_backward, _binary_gradients))

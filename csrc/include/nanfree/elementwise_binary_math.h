@@ -388,6 +388,15 @@ NF_HOST_DEVICE T binary_element(T g, T a, T b, T bound) {
   }
 }
 
+// Both gradients of <op> at one element, for <op>_gradients (one pass where
+// both inputs need theirs): grad_a = g * d/da, grad_b = g * d/db, each as
+// binary_element of order 1 gives it.
+template <BinaryOp op, typename T>
+NF_HOST_DEVICE void binary_gradients(T g, T a, T b, T bound, T& grad_a, T& grad_b) {
+  grad_a = binary_element<op, 1, 0>(g, a, b, bound);
+  grad_b = binary_element<op, 1, 1>(g, a, b, bound);
+}
+
 // binary_element of pow where b is the exponent e for every element: the
 // value and the partials in a at that exponent, the others as pow's.
 template <PowExponent e, int order, int partial, typename T>
