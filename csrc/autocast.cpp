@@ -15,7 +15,7 @@
 // | gem (pow is on the fp32 list)       | float32                 | left alone             |
 // | mnr_loss, mnr_loss_backward (cross_entropy: fp32) | float32   | float32                |
 // | log, log1p, acos, asin, pow (fp32)  | float32                 | left alone             |
-// | atan2 (promote: the widest input)   | widest floating input   | left alone             |
+// | atan2 (promote)                     | float32 if an input is  | left alone             |
 // | sqrt, xlogy, xlog1py, div_no_nan    | left alone              | left alone             |
 //
 // nanfree.ops.softmax(..., dtype=...) excludes autocast itself, as torch's
@@ -122,17 +122,24 @@ at::Tensor pow_in_float32(const at::Tensor& input, const at::Tensor& exponent) {
   return op.call(autocast_to_float(input), autocast_to_float(exponent));
 }
 
-// atan2 at its widest floating input (torch's promote policy: a 0-d tensor counts too).
+// atan2 under torch's promote policy (at::autocast::promote_type and
+// cached_cast): the autocast-eligible inputs (floating, on the autocast key's
+// device, not float64) go to float32 if one is float32, else stay at the lower
+// precision; the others are left alone, and the op's own type promotion follows.
 template <c10::DispatchKey key>
-at::Tensor atan2_at_the_widest_input(const at::Tensor& input, const at::Tensor& other) {
+at::Tensor atan2_promoted(const at::Tensor& input, const at::Tensor& other) {
   static const auto op = find_op<ElementwiseBinarySignature>("nanfree::atan2");
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
-  if (at::isFloatingType(input.scalar_type()) && at::isFloatingType(other.scalar_type()) &&
-      input.scalar_type() != other.scalar_type()) {
-    const at::ScalarType widest = at::promote_types(input.scalar_type(), other.scalar_type());
-    return op.call(input.to(widest), other.to(widest));
+  auto eligible = [](const at::Tensor& t) {
+    return t.is_cuda() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kDouble;
+  };
+  bool any_float = false;
+  for (const at::Tensor* t : {&input, &other}) {
+    any_float = any_float || (eligible(*t) && t->scalar_type() == at::kFloat);
   }
-  return op.call(input, other);
+  if (!any_float) return op.call(input, other);  // all eligible at the lower precision already
+  auto cast = [&](const at::Tensor& t) { return eligible(t) ? t.to(at::kFloat) : t; };
+  return op.call(cast(input), cast(other));
 }
 
 constexpr char kLogName[] = "nanfree::log";
@@ -158,7 +165,7 @@ TORCH_LIBRARY_IMPL(nanfree, AutocastCUDA, m) {
   m.impl("acos", &elementwise_unary_in_float32<key, kAcosName>);
   m.impl("asin", &elementwise_unary_in_float32<key, kAsinName>);
   m.impl("pow", &pow_in_float32<key>);
-  m.impl("atan2", &atan2_at_the_widest_input<key>);
+  m.impl("atan2", &atan2_promoted<key>);
 }
 
 TORCH_LIBRARY_IMPL(nanfree, AutocastCPU, m) {

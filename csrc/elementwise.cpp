@@ -107,7 +107,7 @@ struct NanfreeUnaryBackwardBackward final
       TORCH_CHECK(order == 1, "nanfree: ", unary_backward_name(op),
                   "(order=2) has no derivative in `input`: the third derivative of the "
                   "elementwise family is not implemented");
-      d_input = unary_backward_op<op>(gg * saved[0], saved[1], 2);
+      d_input = unary_backward_op<op>(zero_dominant_weight(gg, saved[0]), saved[1], 2);
     }
     return {d_grad, d_input, at::Tensor()};
   }

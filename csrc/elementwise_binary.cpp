@@ -15,6 +15,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/autograd.h"
 #include "common/elementwise_op.h"
@@ -84,12 +85,23 @@ at::Tensor binary_backward_op(const at::Tensor& grad, const at::Tensor& input,
 }
 
 // A gradient in the broadcast shape and computing dtype, as the gradient of
-// `input`: summed over the dimensions broadcasting added or expanded, in
-// input's dtype.
+// `input`: summed over the dimensions broadcasting added or expanded (in
+// float64: a sum of saturated entries neither overflows nor meets +inf and
+// -inf), saturated to input's dtype (rule 5: a float32 gradient of a float16
+// input, a sum of many) and cast to it. NaN entries stay NaN.
 at::Tensor gradient_of(const at::Tensor& gradient, const at::Tensor& input) {
   at::Tensor reduced = gradient;
-  if (reduced.sizes() != input.sizes()) reduced = at::sum_to(reduced, input.sizes());
-  return reduced.to(input.scalar_type());
+  if (reduced.sizes() != input.sizes()) {
+    const int64_t lead = reduced.dim() - input.dim();
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d < reduced.dim(); ++d) {
+      if (d < lead || (input.size(d - lead) == 1 && reduced.size(d) != 1)) dims.push_back(d);
+    }
+    reduced = reduced.sum(dims, /*keepdim=*/true, at::kDouble).reshape(input.sizes());
+  }
+  if (reduced.scalar_type() == input.scalar_type()) return reduced;
+  const double bound = largest_finite(input.scalar_type());
+  return reduced.clamp(-bound, bound).to(input.scalar_type());
 }
 
 template <BinaryOp op>
@@ -149,7 +161,7 @@ struct NanfreeBinaryBackwardBackward final
       TORCH_CHECK(order == 1, "nanfree: ", binary_backward_name(op),
                   "(order=2) has no derivative in `input` or `other`: the third derivative of "
                   "the elementwise family is not implemented");
-      const at::Tensor weight = gg * saved[0];
+      const at::Tensor weight = zero_dominant_weight(gg, saved[0]);
       // d/d input of grad * f_partial is grad * f_{partial, input}: the second partials
       // (input, input) and (input, other) for partial 0, (input, other) and (other, other) for 1.
       for (int64_t which = 0; which < 2; ++which) {

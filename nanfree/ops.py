@@ -12,6 +12,7 @@ argument: ``TypeError`` for a wrong type or dtype, ``IndexError`` for a
 not broadcast or is on another device.
 """
 
+import struct
 import warnings
 
 import torch
@@ -23,7 +24,7 @@ from ._ops import gem as _gem
 from ._ops import mnr as _mnr
 from ._ops.common import (as_float, broadcast_mask, check_device, check_dim_type, check_eps,
                           check_float, check_number, check_optional_tensor, check_tensors,
-                          is_number, refuse_torch_func, wrap_dim)
+                          is_bool, is_number, is_symbolic, refuse_torch_func, wrap_dim)
 from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 
 __all__ = [
@@ -421,32 +422,66 @@ def _binary_operand(op, name, value, like):
     tensor; written out, as torch.result_type does not trace under compile)."""
     if isinstance(value, torch.Tensor):
         return value
+    if is_bool(value):  # torch's binary ops take True and False as 1 and 0
+        value = int(value)
     if not is_number(value):
         raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor or a number, got "
                         f"{type(value).__name__}")
     if type(value).__module__ == "numpy":  # a numpy scalar: its Python number
         value = value.item()
     dtype = like.dtype if like.dtype.is_floating_point else torch.get_default_dtype()
-    return torch.full((), value, dtype=dtype, device=like.device)
+    # Made in float64 and cast: a number beyond the dtype's range is its infinity
+    # (torch.full would refuse it), as in torch's own ops.
+    return torch.full((), value, dtype=torch.float64, device=like.device).to(dtype)
+
+
+def _exact_in(dtype, value):
+    """Whether the Python number `value` is exactly a value of the half-precision
+    dtype (float16, bfloat16): from its float32 bits, without a tensor."""
+    if is_symbolic(value):
+        return False  # unknown while compiling: take the float32 path
+    try:
+        bits = struct.unpack("<I", struct.pack("<f", float(value)))[0]
+        if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
+            return False  # not even a float32
+        if dtype == torch.bfloat16:
+            return bits & 0xFFFF == 0
+        return struct.unpack("<e", struct.pack("<e", float(value)))[0] == value
+    except (OverflowError, struct.error):  # beyond float32's or float16's range
+        return False
 
 
 def _binary(op, input, other, out, other_name="other"):
     """torch.<op>(input, other, out=out) through nanfree's op of that name: numbers
     become 0-d tensors (torch's promotion of Python scalars), then the op
-    broadcasts and promotes as torch's binary ops."""
+    broadcasts and promotes as torch's binary ops. torch.pow(tensor, number) and
+    tensor / number compute a float16 or bfloat16 tensor in float32 with the
+    number unrounded (its other ops, and a number first, round the number to the
+    tensor's dtype): where the number is not a value of that dtype, so do pow and
+    div_no_nan here (the tensor widened, the result rounded once, as the kernels
+    round it)."""
     if not isinstance(input, torch.Tensor) and not isinstance(other, torch.Tensor):
         check_tensors(op, input=input)  # one argument must be a tensor, as torch's
+    if out is not None:
+        check_tensors(op, out=out)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (input, other, out)):
+            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
+                               f"automatic differentiation, but one of the arguments requires "
+                               f"grad (as torch.{op})")
+    if (op in ("pow", "div_no_nan") and isinstance(input, torch.Tensor)
+            and input.dtype in (torch.float16, torch.bfloat16) and is_number(other)
+            and not _exact_in(input.dtype, other)):
+        tensor = input
+        result = _binary(op, input.float(), other, None, other_name)
+        if not (op == "pow" and tensor.device.type == "cuda" and
+                torch.is_autocast_enabled("cuda")):  # CUDA autocast: torch's pow is float32
+            result = result.to(tensor.dtype)
+        return result if out is None else _into_out(op, out, result)
     if isinstance(input, torch.Tensor):
         other = _binary_operand(op, other_name, other, input)
     else:
         input = _binary_operand(op, "input", input, other)
-    if out is not None:
-        check_tensors(op, out=out)
-        if torch.is_grad_enabled() and (input.requires_grad or other.requires_grad
-                                        or out.requires_grad):
-            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
-                               f"automatic differentiation, but one of the arguments requires "
-                               f"grad (as torch.{op})")
     try:
         result = getattr(torch.ops.nanfree, op)(input, other)
     except RuntimeError:

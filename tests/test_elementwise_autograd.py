@@ -152,3 +152,14 @@ def test_autocast_keeps_the_dtype_as_torch(device, op, dtype):
     with torch.autocast(device_type=device, dtype=autocast_dtype):
         y, t = getattr(nf, op)(x), getattr(torch, op)(x)
     assert y.dtype == t.dtype == dtype
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward_with_an_infinite_upstream_against_zero(device, op):
+    """gg = inf against a first-order upstream gradient of 0: the second-order
+    weight gg * grad is 0 (zeros dominant), not NaN."""
+    x = _interior(op, (4,), device)
+    y = getattr(nf, op)(x)
+    (g,) = torch.autograd.grad(y, x, torch.zeros_like(y), create_graph=True)
+    (gg,) = torch.autograd.grad(g, x, torch.full_like(g, float("inf")))
+    assert not torch.isnan(gg).any()

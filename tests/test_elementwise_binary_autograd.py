@@ -149,10 +149,19 @@ def test_layouts_as_torch(device, op):
              (a.contiguous(memory_format=torch.channels_last),
               b.contiguous(memory_format=torch.channels_last)),
              (a, b[0, 0, 0]), (a[0, 0, 0, 0], b), (a[:0], b[:0]), (a[:, :1], b[:1, :, :1])]
+    views += [(a[:, :, ::2].transpose(0, 3), b[0, 0, 0, 0]), (a[0, 0, 0], b.transpose(1, 2)),
+              (a.contiguous(memory_format=torch.channels_last), b),
+              (a, b.contiguous(memory_format=torch.channels_last))]
     for x, y in views:
         ours, theirs = getattr(nf, op)(x, y), TORCH[op](x, y)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        assert ours.stride() == theirs.stride() or ours.numel() <= 1, (x.stride(), y.stride())
         torch.testing.assert_close(ours, theirs)
+        xg, yg = x.detach().requires_grad_(True), y.detach().requires_grad_(True)
+        grads = torch.autograd.grad(getattr(nf, op)(xg, yg).sum(), (xg, yg))
+        t_grads = torch.autograd.grad(TORCH[op](xg, yg).sum(), (xg, yg))
+        for g, tg in zip(grads, t_grads):
+            torch.testing.assert_close(g, tg)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -242,3 +251,59 @@ def test_both_gradients_in_one_pass_equal_the_partials(device, op, dtype):
     with pytest.raises(RuntimeError, match=f"{op}_gradients has no derivative"):
         out = gradients(x, y, b[:15])
         torch.autograd.grad(out[0].sum() + out[1].sum(), (x, y))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_python_numbers_as_torch_takes_them(device, op):
+    """Numbers beside a float16 tensor give torch's values: torch.pow(tensor, number)
+    and tensor / number use the number unrounded in float32 (1e-8 is not 0, 0.1 not
+    0.0999756), the other forms round it to float16 first (1e5 is inf); a number
+    beyond the dtype's range is no error (torch refuses some); True and False are 1
+    and 0."""
+    half = torch.tensor([1e-4, 0.5, 3.0], dtype=torch.float16, device=device)
+
+    def theirs(*args):
+        if op == "atan2":  # torch.atan2 takes tensors only
+            args = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device)
+                    for v in args]
+        return TORCH[op](*args)
+
+    for number in (1e-8, 1e5, 0.1, 1e39, True):
+        for args in ((half, number), (number, half)):
+            ours = getattr(nf, op)(*args)
+            assert ours.dtype == torch.float16
+            try:
+                expected = theirs(*args)
+            except RuntimeError as error:  # torch refuses some numbers beyond float16
+                assert "without overflow" in str(error)
+                continue
+            torch.testing.assert_close(ours, expected, equal_nan=True, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reduced_and_cast_gradients_saturate(device, op):
+    """A gradient summed over a broadcast or cast to a half-precision input stays
+    within that dtype's range (rule 5): no inf, no NaN from +max and -max meeting."""
+    half = torch.tensor([1.0], dtype=torch.float16, device=device, requires_grad=True)
+    small = torch.tensor([1e-5], device=device)
+    values = {"pow": (half, torch.tensor([1e6], device=device)), "atan2": (half, small),
+              "div_no_nan": (half, small), "xlogy": (half, small), "xlog1py": (half, small)}
+    a, b = values[op]
+    (g,) = torch.autograd.grad(getattr(nf, op)(a, b).sum(), a)
+    assert g.dtype == torch.float16 and torch.isfinite(g).all()
+    scalar = torch.tensor(1e-30, device=device, requires_grad=True)
+    big = torch.tensor([1.0, -1.0, 1.0, -1.0] * 4, device=device)
+    (gs,) = torch.autograd.grad(nf.div_no_nan(big, scalar).sum(), scalar)
+    assert torch.isfinite(gs)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward_with_an_infinite_upstream_against_zero(device, op):
+    """gg = inf against a first-order upstream gradient of 0: the second-order
+    weight gg * grad is 0 (zeros dominant), not NaN."""
+    a, b = _interior(op, (4,), (4,), device)
+    y = getattr(nf, op)(a, b)
+    (ga,) = torch.autograd.grad(y, a, torch.zeros_like(y), create_graph=True)
+    second = torch.autograd.grad(ga, (a, b), torch.full_like(ga, float("inf")), allow_unused=True)
+    for s in second:
+        assert s is None or not torch.isnan(s).any()

@@ -76,6 +76,14 @@ void register_unary_kernels(torch::Library& m) {
   register_unary_kernels<Kernels>(m, std::make_integer_sequence<int, kUnaryOpCount>{});
 }
 
+// gg * grad, the weight of a double backward's order-2 call, with zeros
+// dominant as chain_rule's: a zero factor against an infinite one is 0, not
+// NaN (NaN factors stay NaN). Differentiable (a where of a product).
+inline at::Tensor zero_dominant_weight(const at::Tensor& gg, const at::Tensor& grad) {
+  const at::Tensor zero = (gg.eq(0) | grad.eq(0)) & gg.eq(gg) & grad.eq(grad);
+  return at::where(zero, at::zeros({}, gg.options()), gg * grad);
+}
+
 // --- binary ops -------------------------------------------------------------------
 
 constexpr const char* kBinaryOpNames[] = {"pow", "atan2", "div_no_nan", "xlogy", "xlog1py"};

@@ -2,13 +2,14 @@
 // <op>_backward of registration.cpp). The checks, dtypes and broadcast shape
 // are shared with the CPU binding (csrc/common/elementwise_op.h); the kernels
 // live in the torch-free elementwise_binary_kernels.cu, which reads flat
-// arrays. The output takes the layout of a dense full-shape operand (grad
-// first, then input, then other; contiguous when there is none); an operand
+// arrays. The output takes torch's layout for the operands (TensorIterator's,
+// as on the CPU); an operand
 // of one element is read as it is (step 0: a scalar `other`, a 0-d
 // exponent), one already in the output's layout too, and any other is first
 // copied, broadcast, into that layout.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/TensorIterator.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -24,13 +25,15 @@
 namespace nanfree {
 namespace {
 
-// The output of the broadcast shape, in the layout of the first dense operand of that shape.
-at::Tensor binary_output(at::IntArrayRef shape, std::initializer_list<const at::Tensor*> operands) {
-  for (const at::Tensor* t : operands) {
-    if (t->sizes() == shape && t->is_non_overlapping_and_dense()) return at::empty_like(*t);
-  }
-  const at::Tensor& first = **operands.begin();
-  return at::empty(shape, first.options().memory_format(at::MemoryFormat::Contiguous));
+// The output of the operands' broadcast shape in torch's layout for them
+// (TensorIterator's, as the CPU kernels' outputs and the fake kernels' have),
+// allocated without running anything.
+at::Tensor binary_output(std::initializer_list<const at::Tensor*> operands) {
+  const at::Tensor undefined_output;  // allocated by the iterator (borrowed until build())
+  at::TensorIteratorConfig config;
+  config.add_output(undefined_output);
+  for (const at::Tensor* t : operands) config.add_const_input(*t);
+  return config.build().output();
 }
 
 // An operand as the kernels read it against `out`: (tensor, step) with step 0
@@ -64,11 +67,12 @@ void run_binary(int64_t order, int64_t partial, const at::Tensor& grad, const at
 template <BinaryOp op>
 struct CudaBinaryKernels {
   static at::Tensor forward(const at::Tensor& input, const at::Tensor& other) {
-    // Not a CUDAGuard: the emulated build runs this on CPU tensors.
-    const c10::OptionalDeviceGuard device_guard(input.device());
     const auto [a, b] = binary_operands(op, input, other);
-    const std::vector<int64_t> shape = binary_shape(op, a.sizes(), b.sizes());
-    at::Tensor out = binary_output(shape, {&a, &b});
+    // Not a CUDAGuard: the emulated build runs this on CPU tensors. a's device, not
+    // input's: a 0-d CPU input has joined other's device.
+    const c10::OptionalDeviceGuard device_guard(a.device());
+    binary_shape(op, a.sizes(), b.sizes());  // torch's words when they do not broadcast
+    at::Tensor out = binary_output({&a, &b});
     run_binary<op>(0, 0, at::Tensor(), a, b, out);
     return out;
   }
@@ -77,7 +81,7 @@ struct CudaBinaryKernels {
                              const at::Tensor& other, int64_t order, int64_t partial) {
     const c10::OptionalDeviceGuard device_guard(input.device());
     check_binary_backward(op, grad, input, other, order, partial);
-    at::Tensor out = binary_output(grad.sizes(), {&grad, &input, &other});
+    at::Tensor out = binary_output({&grad, &input, &other});
     // grad is read in out's layout (a copy when it is not dense in it).
     const at::Tensor g = grad.strides() == out.strides() ? grad : flat_operand(grad, out).first;
     run_binary<op>(order, partial, g, input, other, out);
@@ -88,7 +92,7 @@ struct CudaBinaryKernels {
                                                       const at::Tensor& other) {
     const c10::OptionalDeviceGuard device_guard(input.device());
     check_binary_gradient_operands(op, binary_gradients_name(op), grad, input, other);
-    at::Tensor grad_a = binary_output(grad.sizes(), {&grad, &input, &other});
+    at::Tensor grad_a = binary_output({&grad, &input, &other});
     at::Tensor grad_b = at::empty_like(grad_a);
     const at::Tensor g = grad.strides() == grad_a.strides() ? grad : flat_operand(grad, grad_a).first;
     const auto [fa, a_step] = flat_operand(input, grad_a);

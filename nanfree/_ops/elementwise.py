@@ -11,6 +11,7 @@ rows. sqrt, xlogy and xlog1py are on no autocast list; nor is div_no_nan,
 torch's `/`."""
 
 import torch
+from torch._prims_common import compute_elementwise_output_strides
 
 from .common import check_device, check_float, fake_kernels
 
@@ -112,15 +113,14 @@ def check_binary_gradient_operands(op, name, grad, input, other):
     check_device(name, "grad", input, grad)
 
 
-def binary_output(a, b):
-    """The output of a binary op on a and b (one floating dtype): their broadcast
-    shape, in the layout of an operand of that shape when it is dense (as
-    TensorIterator gives), else contiguous."""
-    shape = torch.broadcast_shapes(a.shape, b.shape)
-    for t in (a, b):
-        if t.shape == shape and is_dense(t):
-            return torch.empty_like(t)
-    return torch.empty(shape, dtype=a.dtype, device=a.device)
+def binary_output(*operands):
+    """The output of a binary op or backward op on the operands (one floating
+    dtype): their broadcast shape in torch's layout for them (TensorIterator's,
+    as the C++ kernels allocate it: the operands' order counts)."""
+    shape = torch.broadcast_shapes(*(t.shape for t in operands))
+    strides = compute_elementwise_output_strides(*(t.expand(shape) for t in operands))
+    first = operands[0]
+    return torch.empty_strided(shape, strides, dtype=first.dtype, device=first.device)
 
 
 def is_dense(t):
@@ -217,7 +217,7 @@ def _fake_binary(op):
 def _fake_binary_backward(op):
     def fake(grad, input, other, order=1, partial=0):
         check_binary_backward(op, grad, input, other, order, partial)
-        return binary_output(grad, input)  # grad has the broadcast shape: its layout
+        return binary_output(grad, input, other)
 
     return fake
 
@@ -225,7 +225,7 @@ def _fake_binary_backward(op):
 def _fake_binary_gradients(op):
     def fake(grad, input, other):
         check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
-        out = binary_output(grad, input)
+        out = binary_output(grad, input, other)
         return out, torch.empty_like(out)
 
     return fake

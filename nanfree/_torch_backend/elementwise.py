@@ -374,7 +374,7 @@ def _binary_backward(op, grad, input, other, order=1, partial=0):
     _ew.check_binary_backward(op, grad, input, other, order, partial)
     acc = acc_dtype(input.dtype)
     d = _BINARY_FUNCTIONS[op][order, partial](input.to(acc), other.to(acc))
-    out = _ew.binary_output(grad, input)
+    out = _ew.binary_output(grad, input, other)
     out.copy_(chain_rule(grad.to(acc), d.expand(grad.shape), nf_largest(input.dtype)))
     return out
 
@@ -386,7 +386,7 @@ def _binary_gradients(op, grad, input, other):
     bound = nf_largest(input.dtype)
     outs = []
     for partial in (0, 1):
-        out = _ew.binary_output(grad, input)
+        out = _ew.binary_output(grad, input, other)
         out.copy_(chain_rule(g, _BINARY_FUNCTIONS[op][1, partial](a, b).expand(grad.shape), bound))
         outs.append(out)
     return tuple(outs)

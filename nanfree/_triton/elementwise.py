@@ -634,13 +634,14 @@ def _binary(op, input, other):
 def _binary_backward(op, grad, input, other, order=1, partial=0):
     _ew.check_binary_backward(op, grad, input, other, order, partial)
     _check_runnable(f"{op}_backward", input)
-    return _launch_binary(op, order, partial, grad, input, other, _ew.binary_output(grad, input))
+    out = _ew.binary_output(grad, input, other)
+    return _launch_binary(op, order, partial, grad, input, other, out)
 
 
 def _binary_gradients(op, grad, input, other):
     _ew.check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
     _check_runnable(f"{op}_gradients", input)
-    grad_a = _ew.binary_output(grad, input)
+    grad_a = _ew.binary_output(grad, input, other)
     grad_b = torch.empty_like(grad_a)
     _launch_binary(op, 1, 0, grad, input, other, grad_a, grad_b)
     return grad_a, grad_b

@@ -146,28 +146,33 @@ NF_HOST_DEVICE T pow_at_exponent(T a) {
     else if constexpr (order == 1) return T(3) * (a * a);
     else return T(6) * a;
   } else if constexpr (e == PowExponent::kMinusOne) {
-    // 1 / a: C's pow(-0, -1) = -inf. The derivatives are infinite at 0 (rule 3).
-    if constexpr (order == 0) return T(1) / a;
-    else if constexpr (order == 1) return nf_where(a == T(0), T(0), T(-1) / (a * a));
-    else return nf_where(a == T(0), T(0), T(2) / (a * a * a));
+    // 1 / a: C's pow(-0, -1) = -inf. The derivatives from r = 1 / a (no power of a
+    // that overflows where the result is a normal number); infinite at 0 (rule 3).
+    const T r = T(1) / a;
+    if constexpr (order == 0) return r;
+    else if constexpr (order == 1) return nf_where(a == T(0), T(0), -(r * r));
+    else return nf_where(a == T(0), T(0), T(2) * (r * r) * r);
   } else if constexpr (e == PowExponent::kMinusTwo) {
-    if constexpr (order == 0) return T(1) / (a * a);
-    else if constexpr (order == 1) return nf_where(a == T(0), T(0), T(-2) / (a * a * a));  // rule 3
-    else return nf_where(a == T(0), T(0), T(6) / (a * a * a * a));  // rule 3
+    const T r = T(1) / a;
+    if constexpr (order == 0) return T(1) / (a * a);  // torch's form of the value
+    else if constexpr (order == 1) return nf_where(a == T(0), T(0), T(-2) * (r * r) * r);  // rule 3
+    else return nf_where(a == T(0), T(0), T(6) * (r * r) * (r * r));  // rule 3
   } else {
     // a^(+-1/2): a negative base has no real power: clamped to 0 (rule 2), where
     // both derivatives are 0 as at 0 itself (infinite there: rule 3). + 0 makes a
-    // base of -0 +0, as C's pow(-0, 0.5) = +0 (sqrt(-0) is -0).
+    // base of -0 +0, as C's pow(-0, 0.5) = +0 (sqrt(-0) is -0). The derivatives
+    // from s = 1 / sqrt(a), as 1 / a above.
     const T root = nf_sqrt(nf_where(a < T(0), T(0), a) + T(0));
+    const T s = T(1) / root;
     const auto edge = a <= T(0);
     if constexpr (e == PowExponent::kHalf) {
       if constexpr (order == 0) return root;
-      else if constexpr (order == 1) return nf_where(edge, T(0), T(0.5) / root);
-      else return nf_where(edge, T(0), T(-0.25) / (a * root));
+      else if constexpr (order == 1) return nf_where(edge, T(0), T(0.5) * s);
+      else return nf_where(edge, T(0), T(-0.25) * (s * s) * s);
     } else {
-      if constexpr (order == 0) return T(1) / root;
-      else if constexpr (order == 1) return nf_where(edge, T(0), T(-0.5) / (a * root));
-      else return nf_where(edge, T(0), T(0.75) / (a * a * root));
+      if constexpr (order == 0) return s;
+      else if constexpr (order == 1) return nf_where(edge, T(0), T(-0.5) * (s * s) * s);
+      else return nf_where(edge, T(0), T(0.75) * (s * s) * (s * s) * s);
     }
   }
 }
