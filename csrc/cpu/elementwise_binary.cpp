@@ -82,39 +82,43 @@ void binary_loop(at::TensorIteratorBase& iter) {
       char* ptr[kTensors];
       for (int t = 0; t < kTensors; ++t) ptr[t] = data[t] + i1 * strides[kTensors + t];
       if (vector_run) {
-        auto load = [&](int t, int64_t j, int64_t count) {
-          return load_run<scalar_t>(ptr[t], strides[t] == 0, j, count);
-        };
-        // The elements [j, j + count) of every output.
-        auto step = [&](int64_t j, int64_t count) {
-          const V a = load(kFirst, j, count), b = load(kFirst + 1, j, count);
-          const V g = kGrad ? load(kGradIndex, j, count) : V(acc_t(0));
-          int t = 0;
-          ((cpu::store_vec<scalar_t>(Elements::apply(g, a, b, bound_vec),
-                                     reinterpret_cast<scalar_t*>(ptr[t]) + j, count),
-            ++t),
-           ...);
-        };
+        // The run's pointers and broadcast flags in locals: the stores below cannot
+        // alias them, so they stay in registers.
+        const char* const a_ptr = ptr[kFirst];
+        const char* const b_ptr = ptr[kFirst + 1];
+        const char* const g_ptr = ptr[kGradIndex];
+        const bool a_scalar = strides[kFirst] == 0, b_scalar = strides[kFirst + 1] == 0;
+        const bool g_scalar = kGrad && strides[kGradIndex] == 0;
+        scalar_t* outs[kOutputs];
+        for (int t = 0; t < kOutputs; ++t) outs[t] = reinterpret_cast<scalar_t*>(ptr[t]);
         int64_t j = 0;
         // Two vectors per step: their C library calls (Sleef's pow, log) overlap.
         for (; j + 2 * V::size() <= n0; j += 2 * V::size()) {
           const int64_t k = j + V::size();
-          const V a0 = load(kFirst, j, V::size()), a1 = load(kFirst, k, V::size());
-          const V b0 = load(kFirst + 1, j, V::size()), b1 = load(kFirst + 1, k, V::size());
+          const V a0 = load_run<scalar_t>(a_ptr, a_scalar, j, V::size());
+          const V a1 = load_run<scalar_t>(a_ptr, a_scalar, k, V::size());
+          const V b0 = load_run<scalar_t>(b_ptr, b_scalar, j, V::size());
+          const V b1 = load_run<scalar_t>(b_ptr, b_scalar, k, V::size());
           V g0(acc_t(0)), g1(acc_t(0));
           if constexpr (kGrad) {
-            g0 = load(kGradIndex, j, V::size());
-            g1 = load(kGradIndex, k, V::size());
+            g0 = load_run<scalar_t>(g_ptr, g_scalar, j, V::size());
+            g1 = load_run<scalar_t>(g_ptr, g_scalar, k, V::size());
           }
           int t = 0;
-          ((cpu::store_vec<scalar_t>(Elements::apply(g0, a0, b0, bound_vec),
-                                     reinterpret_cast<scalar_t*>(ptr[t]) + j, V::size()),
-            cpu::store_vec<scalar_t>(Elements::apply(g1, a1, b1, bound_vec),
-                                     reinterpret_cast<scalar_t*>(ptr[t]) + k, V::size()),
+          ((cpu::store_vec<scalar_t>(Elements::apply(g0, a0, b0, bound_vec), outs[t] + j, V::size()),
+            cpu::store_vec<scalar_t>(Elements::apply(g1, a1, b1, bound_vec), outs[t] + k, V::size()),
             ++t),
            ...);
         }
-        for (; j < n0; j += V::size()) step(j, std::min<int64_t>(V::size(), n0 - j));
+        for (; j < n0; j += V::size()) {
+          const int64_t count = std::min<int64_t>(V::size(), n0 - j);
+          const V a = load_run<scalar_t>(a_ptr, a_scalar, j, count);
+          const V b = load_run<scalar_t>(b_ptr, b_scalar, j, count);
+          const V g = kGrad ? load_run<scalar_t>(g_ptr, g_scalar, j, count) : V(acc_t(0));
+          int t = 0;
+          ((cpu::store_vec<scalar_t>(Elements::apply(g, a, b, bound_vec), outs[t] + j, count), ++t),
+           ...);
+        }
       } else {
         for (int64_t j = 0; j < n0; ++j) {
           auto read = [&](int t) {

@@ -180,8 +180,15 @@ def pow_domain(a, b):
     return _where(pow_outside(a, b), 0.0, a)  # no real power: the base clamped to 0 (rule 2)
 
 
+def pow_of_zero(b):
+    """pow(0, b) for a non-integer b: 0 above 0, +inf below."""
+    return _where(b > 0, 0.0, torch.inf)
+
+
 def pow_value(a, b):
-    return propagate_nan(a, b, torch.pow(pow_domain(a, b), b))
+    # C's pow of the inputs, then outside the domain pow(0, b) (rule 2) and NaN
+    # inputs NaN (rule 7).
+    return propagate_nan(a, b, _where(pow_outside(a, b), pow_of_zero(b), torch.pow(a, b)))
 
 
 def pow_da(a, b):

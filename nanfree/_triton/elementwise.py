@@ -385,8 +385,16 @@ def pow_domain(a, b):
 
 
 @triton.jit
+def pow_of_zero(b):
+    # pow(0, b) for a non-integer b: 0 above 0, +inf below.
+    return tl.where(b > 0, 0.0, float("inf"))
+
+
+@triton.jit
 def pow_value(a, b):
-    return propagate_nan(a, b, _pow_any_base(pow_domain(a, b), b))
+    # C's pow of the inputs, then outside the domain pow(0, b) (rule 2) and NaN
+    # inputs NaN (rule 7).
+    return propagate_nan(a, b, tl.where(pow_outside(a, b), pow_of_zero(b), _pow_any_base(a, b)))
 
 
 @triton.jit

@@ -19,6 +19,8 @@
 // instantiate them with ATen's vectors).
 #pragma once
 
+#include <cmath>
+
 #include "nanfree/elementwise_math.h"
 #include "nanfree/numerics.h"
 
@@ -69,9 +71,20 @@ NF_HOST_DEVICE T pow_domain(T a, T b) {
   return nf_where(pow_outside(a, b), T(0), a);  // no real power: the base clamped to 0 (rule 2)
 }
 
+// pow(0, b) for a non-integer b (the value outside the domain): 0 above 0, +inf below.
+template <typename T>
+NF_HOST_DEVICE T pow_of_zero(T b) {
+  return nf_where(b > T(0), T(0), T(HUGE_VAL));
+}
+
 template <typename T>
 NF_HOST_DEVICE T pow_value(T a, T b) {
-  return propagate_nan(a, b, nf_pow(pow_domain(a, b), b));
+  // C's pow of the inputs as they are, then the rules where it is not the value:
+  // outside the domain pow(0, b) (rule 2; C gives NaN, or +-inf at a = -inf), a NaN
+  // input NaN (rule 7; C's pow(1, NaN) = pow(NaN, 0) = 1). pow does not wait for
+  // the domain test.
+  const T r = nf_pow(a, b);
+  return propagate_nan(a, b, nf_where(pow_outside(a, b), pow_of_zero(b), r));
 }
 
 template <typename T>
