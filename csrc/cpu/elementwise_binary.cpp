@@ -138,9 +138,11 @@ void binary_loop(at::TensorIteratorBase& iter) {
 }
 
 // The exponent every element of pow sees when `exponent` has one element (a
-// Python number, a 0-d tensor), if it is one pow_at_exponent knows.
+// Python number, a 0-d tensor), if it is one pow_at_exponent knows; kOther for
+// every other op (its value is not read).
+template <BinaryOp op>
 PowExponent known_exponent(const at::Tensor& exponent) {
-  if (exponent.numel() != 1) return PowExponent::kOther;
+  if (op != BinaryOp::kPow || exponent.numel() != 1) return PowExponent::kOther;
   return pow_exponent_kind(exponent.item<double>());
 }
 
@@ -202,7 +204,7 @@ struct CpuBinaryKernels {
                                   .add_const_input(a)
                                   .add_const_input(b)
                                   .build();
-    run_binary<op>(iter, 0, 0, op == BinaryOp::kPow ? known_exponent(b) : PowExponent::kOther);
+    run_binary<op>(iter, 0, 0, known_exponent<op>(b));
     return iter.output();
   }
 
@@ -216,8 +218,7 @@ struct CpuBinaryKernels {
                                   .add_const_input(input)
                                   .add_const_input(other)
                                   .build();
-    run_binary<op>(iter, order, partial,
-                   op == BinaryOp::kPow ? known_exponent(other) : PowExponent::kOther);
+    run_binary<op>(iter, order, partial, known_exponent<op>(other));
     return iter.output();
   }
 
@@ -232,7 +233,7 @@ struct CpuBinaryKernels {
                                   .add_const_input(input)
                                   .add_const_input(other)
                                   .build();
-    run_gradients<op>(iter, op == BinaryOp::kPow ? known_exponent(other) : PowExponent::kOther);
+    run_gradients<op>(iter, known_exponent<op>(other));
     return {iter.output(0), iter.output(1)};
   }
 };

@@ -83,7 +83,7 @@ struct CudaBinaryKernels {
     check_binary_backward(op, grad, input, other, order, partial);
     at::Tensor out = binary_output({&grad, &input, &other});
     // grad is read in out's layout (a copy when it is not dense in it).
-    const at::Tensor g = grad.strides() == out.strides() ? grad : flat_operand(grad, out).first;
+    const at::Tensor g = flat_operand(grad, out).first;
     run_binary<op>(order, partial, g, input, other, out);
     return out;
   }
@@ -94,7 +94,7 @@ struct CudaBinaryKernels {
     check_binary_gradient_operands(op, binary_gradients_name(op), grad, input, other);
     at::Tensor grad_a = binary_output({&grad, &input, &other});
     at::Tensor grad_b = at::empty_like(grad_a);
-    const at::Tensor g = grad.strides() == grad_a.strides() ? grad : flat_operand(grad, grad_a).first;
+    const at::Tensor g = flat_operand(grad, grad_a).first;
     const auto [fa, a_step] = flat_operand(input, grad_a);
     const auto [fb, b_step] = flat_operand(other, grad_a);
     const cudaStream_t stream = current_cuda_stream();
