@@ -17,7 +17,11 @@
 // | log, log1p, acos, asin, pow (fp32)  | float32                 | left alone             |
 // | atan2 (promote)                     | float32 if an input is  | left alone             |
 // | sqrt, xlogy, xlog1py, div_no_nan    | left alone              | left alone             |
+// | losses (pointwise_loss, cross_entropy): in nanfree/_ops/losses.py | float32 | float32  |
 //
+// The losses family casts in Python (autocast_to_float32): every loss of
+// torch's runs in float32 under autocast, and binary_cross_entropy is refused
+// under CUDA autocast, which a cast policy cannot express.
 // nanfree.ops.softmax(..., dtype=...) excludes autocast itself, as torch's
 // fp32_set_opt_dtype does when a dtype is given. sentence-transformers'
 // cos_sim (F.normalize, then mm) returns the lower-precision dtype under

@@ -125,4 +125,40 @@ TORCH_LIBRARY(nanfree, m) {
     m.def((std::string(op) + "_gradients(Tensor grad, Tensor input, Tensor other) -> (Tensor, Tensor)")
               .c_str());
   }
+
+  // Losses family (losses_math.h has every rule). pointwise_loss is the
+  // unreduced loss of binary_cross_entropy_with_logits (kind 0),
+  // binary_cross_entropy (1), kl_div (2), kl_div with log_target (3) and
+  // sigmoid_focal_loss (4; alpha, gamma): `input` and `target` of one shape and
+  // floating dtype, `weight` and `pos_weight` None or of that dtype and
+  // broadcasting to the input (read as 1 when None; kinds 2-4 take neither);
+  // the output has the input's shape and dtype (contiguous).
+  // pointwise_loss_backward gives grad * d loss / d input (partial 0) or
+  // d / d target (partial 1), saturated to the dtype's range; `grad` of that
+  // dtype broadcasts to the input.
+  m.def(
+      "pointwise_loss(Tensor input, Tensor target, Tensor? weight, Tensor? pos_weight, int kind, "
+      "float alpha, float gamma) -> Tensor");
+  m.def(
+      "pointwise_loss_backward(Tensor grad, Tensor input, Tensor target, Tensor? weight, "
+      "Tensor? pos_weight, int kind, float alpha, float gamma, int partial) -> Tensor");
+  // cross_entropy of logits `input` [outer, C, inner] (contiguous, floating)
+  // against class indices `target` [outer, inner] (int64, contiguous) or
+  // probabilities of the input's shape and dtype (contiguous). `weight` None
+  // or [C] of the input's dtype; `mask` None or bool [outer, C, inner], any
+  // strides (True = the class exists); ignore_index as torch's (class-index
+  // targets); label_smoothing in [0, 1]. Returns (loss, stats): the weighted
+  // loss per position [outer, inner] and stats [outer, inner, 5] (max,
+  // log_sum, total weight, smoothing, denominator of losses_math.h), both
+  // float32 (float64 for float64 input). The backward takes the upstream
+  // gradient per position ([outer, inner], the loss's dtype) and returns
+  // (grad_input, grad_target): grad_target of a probability target when
+  // `target_grad`, else an empty [0] tensor.
+  m.def(
+      "cross_entropy(Tensor input, Tensor target, Tensor? weight, Tensor? mask, int ignore_index, "
+      "float label_smoothing) -> (Tensor, Tensor)");
+  m.def(
+      "cross_entropy_backward(Tensor grad, Tensor input, Tensor target, Tensor? weight, "
+      "Tensor? mask, int ignore_index, float label_smoothing, Tensor stats, bool target_grad) -> "
+      "(Tensor, Tensor)");
 }

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from ._ops import cosine, elementwise, gem, mnr, softmax
+from ._ops import cosine, elementwise, gem, losses, mnr, softmax
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 
@@ -34,7 +34,7 @@ BACKENDS = ("cpu", "cuda", "triton", "torch")
 # family, nanfree._triton.<family> and nanfree._torch_backend.<family>, with one
 # function per op named as the op.
 FAMILIES = {"softmax": softmax, "cosine": cosine, "gem": gem, "mnr": mnr,
-            "elementwise": elementwise}
+            "elementwise": elementwise, "losses": losses}
 
 _DESCRIPTIONS = {
     "cpu": "cpu: compiled C++ kernels (nanfree._C_cpu)",

@@ -13,7 +13,8 @@ from ._ops import mnr as _mnr
 from ._ops.common import check_dim_type, is_number
 
 __all__ = ["Softmax", "LogSoftmax", "CosineSimilarity", "GeM", "GeMTokenPooling",
-           "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss"]
+           "MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss", "MNRLoss",
+           "BCEWithLogitsLoss", "BCELoss", "CrossEntropyLoss", "KLDivLoss", "SigmoidFocalLoss"]
 # Also CachedMultipleNegativesRankingLoss and CachedMultipleNegativesSymmetricRankingLoss
 # (module __getattr__ below), left out of __all__: a star import must not need
 # sentence-transformers.
@@ -606,3 +607,56 @@ def _cached_classes(base):
         cls.__module__ = __name__
     return {cls.__name__: cls for cls in (CachedMultipleNegativesRankingLoss,
                                           CachedMultipleNegativesSymmetricRankingLoss)}
+
+
+# --- losses (docs/losses.md) ------------------------------------------------------------
+# Subclasses of torch's loss modules: the same constructor, buffers (weight,
+# pos_weight) and state_dict keys, with nanfree's function in forward.
+
+
+class BCEWithLogitsLoss(torch.nn.BCEWithLogitsLoss):
+    def forward(self, input, target):
+        return ops.binary_cross_entropy_with_logits(input, target, self.weight,
+                                                    pos_weight=self.pos_weight,
+                                                    reduction=self.reduction)
+
+
+class BCELoss(torch.nn.BCELoss):
+    def forward(self, input, target):
+        return ops.binary_cross_entropy(input, target, weight=self.weight, reduction=self.reduction)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """torch.nn.CrossEntropyLoss; forward also takes the keyword-only `mask` of
+    nanfree.ops.cross_entropy (nonzero = the class exists)."""
+
+    def forward(self, input, target, *, mask=None):
+        return ops.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                                 reduction=self.reduction, label_smoothing=self.label_smoothing,
+                                 mask=mask)
+
+
+class KLDivLoss(torch.nn.KLDivLoss):
+    def forward(self, input, target):
+        return ops.kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
+
+
+class SigmoidFocalLoss(torch.nn.Module):
+    """torchvision.ops.sigmoid_focal_loss as a module (torchvision has none):
+    alpha, gamma and reduction fixed at construction."""
+
+    def __init__(self, alpha: float = 0.25, gamma: float = 2.0, reduction: str = "none") -> None:
+        super().__init__()
+        _check_positive("SigmoidFocalLoss", "gamma", gamma, allow_zero=True)
+        if reduction not in ("none", "mean", "sum"):
+            raise ValueError(f"nanfree.nn.SigmoidFocalLoss: `reduction` must be 'none', 'mean' or "
+                             f"'sum', got {reduction!r}")
+        self.alpha = alpha
+        self.gamma = gamma
+        self.reduction = reduction
+
+    def forward(self, inputs, targets):
+        return ops.sigmoid_focal_loss(inputs, targets, self.alpha, self.gamma, self.reduction)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"

@@ -21,6 +21,7 @@ from . import _backends  # noqa: F401  (loads the kernels and registrations)
 from . import _C
 from ._ops import cosine as _cosine
 from ._ops import gem as _gem
+from ._ops import losses as _losses
 from ._ops import mnr as _mnr
 from ._ops.common import (as_float, broadcast_mask, check_device, check_dim_type, check_eps,
                           check_float, check_number, check_optional_tensor, check_tensors,
@@ -30,7 +31,8 @@ from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "cosine_similarity", "normalize", "cos_sim", "gem",
     "gem_pool2d", "mnr_loss", "sqrt", "log", "log1p", "acos", "asin", "pow", "atan2",
-    "div_no_nan", "xlogy", "xlog1py",
+    "div_no_nan", "xlogy", "xlog1py", "binary_cross_entropy_with_logits", "binary_cross_entropy",
+    "cross_entropy", "kl_div", "sigmoid_focal_loss",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -530,3 +532,65 @@ def xlog1py(input, other, *, out=None):
     """``torch.special.xlog1py``: 0 where ``input == 0`` with the gradient in
     ``other`` 0 there; ``other`` below -1 is clamped to -1."""
     return _binary("xlog1py", input, other, out)
+
+
+# --- losses (docs/losses.md) ------------------------------------------------------------
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None,
+                                     reduction="mean", pos_weight=None):
+    """torch.nn.functional.binary_cross_entropy_with_logits; finite at logits of +-inf."""
+    op = "binary_cross_entropy_with_logits"
+    reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    loss = _losses.pointwise_call(op, _losses.BCE_WITH_LOGITS, input, target, weight, pos_weight)
+    return _losses.reduce_loss(op, loss, reduction)
+
+
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None,
+                         reduction="mean"):
+    """torch.nn.functional.binary_cross_entropy on probabilities, with the exact loss
+    and gradient down to the dtype's smallest probability (no clamp at -100)."""
+    op = "binary_cross_entropy"
+    reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    loss = _losses.pointwise_call(op, _losses.BCE, input, target, weight)
+    return _losses.reduce_loss(op, loss, reduction)
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """torch.nn.functional.kl_div; a zero target contributes 0 whatever the input."""
+    op = "kl_div"
+    reduction = _losses.reduction_of(op, size_average, reduce, reduction, extra=("batchmean",))
+    kind = _losses.KL_DIV_LOG_TARGET if log_target else _losses.KL_DIV
+    loss = _losses.pointwise_call(op, kind, input, target, same_shape=False)
+    batch = input.shape[0] if input.dim() else 1
+    return _losses.reduce_loss(op, loss, reduction, batch)
+
+
+def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
+    """torchvision.ops.sigmoid_focal_loss; finite value and gradient for every gamma >= 0."""
+    op = "sigmoid_focal_loss"
+    if reduction not in _losses.REDUCTIONS:
+        raise ValueError(f"nanfree.{op}: Invalid Value for arg 'reduction': '{reduction} \n "
+                         f"Supported reduction modes: 'none', 'mean', 'sum'")
+    check_number(op, "alpha", alpha)
+    check_number(op, "gamma", gamma)
+    if not gamma >= 0:
+        raise ValueError(f"nanfree.{op}: `gamma` must be >= 0, got {gamma}")
+    loss = _losses.pointwise_call(op, _losses.SIGMOID_FOCAL, inputs, targets, alpha=alpha,
+                                  gamma=gamma, same_shape=False)
+    return _losses.reduce_loss(op, loss, reduction)
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0, *, mask=None):
+    """torch.nn.functional.cross_entropy; `-inf` logits and classes the keyword-only
+    `mask` drops (bool or integer, nonzero = the class exists, broadcast to the
+    input) do not exist: probability and gradient 0, no label-smoothing mass; a
+    position with no kept class or whose target class is dropped gives 0 and is
+    left out of the mean, as ignore_index."""
+    op = "cross_entropy"
+    reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    check_optional_tensor(op, "mask", mask)
+    check_number(op, "label_smoothing", label_smoothing)
+    return _losses.cross_entropy_call(input, target, weight, ignore_index, reduction,
+                                      label_smoothing, mask)

@@ -187,6 +187,35 @@ def calls(quick):
                     # Without a graph, both gradients in one pass (<op>_gradients).
                     torch.autograd.grad(getattr(ops, op)(a, b).sum(), inputs)
                 found.append((f"{op} {dtype} {other}", binary_call))
+        for loss in ("bce_with_logits", "bce", "kl_div", "kl_div_log", "focal"):
+            def loss_call(loss=loss, dtype=dtype):
+                x = (torch.rand(300) * 0.9 + 0.05).to(dtype).requires_grad_()
+                t = torch.rand(300).to(dtype).requires_grad_()
+                w = torch.rand(300).to(dtype)
+                out = {"bce_with_logits": lambda: ops.binary_cross_entropy_with_logits(
+                           x, t, weight=w[0], pos_weight=w),
+                       "bce": lambda: ops.binary_cross_entropy(x, t, weight=w),
+                       "kl_div": lambda: ops.kl_div(x, t, reduction="batchmean"),
+                       "kl_div_log": lambda: ops.kl_div(x, t, log_target=True),
+                       "focal": lambda: ops.sigmoid_focal_loss(x, t, gamma=0.5, reduction="sum")}[loss]()
+                torch.autograd.grad(out, (x, t))
+            found.append((f"{loss} {dtype}", loss_call))
+        for n in ([1000] if quick else [5, 1000, 40000]):
+            for target in ("index", "probabilities"):
+                for inner in (1, 3):
+                    def ce_call(n=n, dtype=dtype, target=target, inner=inner, masked=False):
+                        shape = (4, n, inner) if inner > 1 else (4, n)
+                        x = leaf(*shape, dtype=dtype)
+                        if target == "index":
+                            y = torch.randint(0, n, (4, inner) if inner > 1 else (4,))
+                        else:
+                            y = torch.softmax(torch.randn(shape), 1).to(dtype).requires_grad_()
+                        mask = torch.rand(shape) > 0.3 if masked else None
+                        out = ops.cross_entropy(x, y, label_smoothing=0.1, mask=mask)
+                        torch.autograd.grad(out, (x, y) if y.is_floating_point() else (x,))
+                    found.append((f"cross_entropy {dtype} {n} {target} inner={inner}", ce_call))
+                    found.append((f"cross_entropy {dtype} {n} {target} inner={inner} masked",
+                                  lambda ce_call=ce_call: ce_call(masked=True)))
     return found
 
 

@@ -30,7 +30,7 @@ from .._ops.common import acc_dtype
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded
-from .numerics import COMPILED, largest_finite, nf_log, nf_pow, nf_sqrt
+from .numerics import COMPILED, largest_finite, nf_log, nf_log1p, nf_pow, nf_sqrt
 
 _BLOCK = 1024
 _HALF_PI = tl.constexpr(1.5707963267948966)
@@ -38,20 +38,6 @@ _PI = tl.constexpr(3.141592653589793)
 
 
 # --- the C library's functions ------------------------------------------------------
-
-
-@triton.jit
-def nf_log1p(x):
-    if COMPILED:
-        return libdevice.log1p(x)
-    else:
-        xd = x.to(tl.float64)
-        u = 1.0 + xd
-        # u == 1: x below half an ulp of 1, where log1p(x) = x; u = +inf: log(inf) * inf / inf
-        # would be NaN; the identity is exact otherwise up to a few roundings of float64.
-        v = tl.where(u == 1.0, xd, tl.log(u) * (xd / (u - 1.0)))
-        v = tl.where(xd == float("inf"), xd, v)
-        return v.to(x.dtype)
 
 
 @triton.jit

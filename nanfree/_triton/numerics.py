@@ -100,6 +100,22 @@ def nf_log(x):
 
 
 @triton.jit
+def nf_log1p(x):
+    """log1p of the C library: libdevice's when compiled; in the interpreter
+    (no libdevice) log(1 + x) * (x / ((1 + x) - 1)) in float64."""
+    if COMPILED:
+        return libdevice.log1p(x)
+    else:
+        xd = x.to(tl.float64)
+        u = 1.0 + xd
+        # u == 1: x below half an ulp of 1, where log1p(x) = x; u = +inf: log(inf) * inf / inf
+        # would be NaN; the identity is exact otherwise up to a few roundings of float64.
+        v = tl.where(u == 1.0, xd, tl.log(u) * (xd / (u - 1.0)))
+        v = tl.where(xd == float("inf"), xd, v)
+        return v.to(x.dtype)
+
+
+@triton.jit
 def nf_pow(x, y):
     """pow(x, y) of the C library for x >= 0 (or NaN): libdevice's when
     compiled; in the interpreter (no libdevice) exp(y log x) in float64."""

@@ -28,8 +28,6 @@
 
 namespace nanfree {
 
-NF_HOST_DEVICE float nf_log1p(float x) { return ::log1pf(x); }
-NF_HOST_DEVICE double nf_log1p(double x) { return ::log1p(x); }
 NF_HOST_DEVICE float nf_acos(float x) { return ::acosf(x); }
 NF_HOST_DEVICE double nf_acos(double x) { return ::acos(x); }
 NF_HOST_DEVICE float nf_asin(float x) { return ::asinf(x); }

@@ -24,6 +24,8 @@ NF_HOST_DEVICE float nf_exp(float x) { return ::expf(x); }
 NF_HOST_DEVICE double nf_exp(double x) { return ::exp(x); }
 NF_HOST_DEVICE float nf_log(float x) { return ::logf(x); }
 NF_HOST_DEVICE double nf_log(double x) { return ::log(x); }
+NF_HOST_DEVICE float nf_log1p(float x) { return ::log1pf(x); }
+NF_HOST_DEVICE double nf_log1p(double x) { return ::log1p(x); }
 NF_HOST_DEVICE float nf_pow(float x, float y) { return ::powf(x, y); }
 NF_HOST_DEVICE double nf_pow(double x, double y) { return ::pow(x, y); }
 NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }

@@ -1,0 +1,306 @@
+"""The losses family against torch where torch is finite, on the backend this
+session selects: every reduction, layout and option of torch.nn.functional's
+signatures (weight, pos_weight, ignore_index, label_smoothing, class-index and
+probability targets, [N, C, d1, ...] and unbatched inputs, log_target,
+batchmean, the legacy size_average / reduce), float64 gradcheck, opcheck of
+the four ops, torch.compile(fullgraph=True), double backward refused, the
+autocast dtypes of torch's, and the nn modules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DTYPES
+from torch.library import opcheck
+
+import losses_oracle as oracle
+import nanfree
+import nanfree.ops as nf
+
+
+def _assert_same(ours, theirs, dtype):
+    rtol, atol = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 1e-6),
+                  torch.float16: (2e-2, 2e-3), torch.bfloat16: (5e-2, 1e-2)}[dtype]
+    torch.testing.assert_close(ours.double(), theirs.double(), rtol=rtol, atol=atol)
+
+
+def _both(fn_ours, fn_theirs, leaves, *args, **kwargs):
+    """(value, gradients) of each function of the leaves, upstream gradient 1."""
+    results = []
+    for fn in (fn_ours, fn_theirs):
+        xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+        out = fn(*xs, *args, **kwargs)
+        need = [x for x in xs if x.requires_grad]
+        grads = torch.autograd.grad(out, need, torch.ones_like(out))
+        results.append((out.detach(), grads))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_bce_with_logits_as_torch(device, dtype, reduction):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 5, generator=gen) * 4).to(device, dtype).requires_grad_()
+    t = torch.rand(6, 5, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.rand(5, generator=gen).to(device, dtype)
+    pw = (torch.rand(5, generator=gen) * 3).to(device, dtype)
+    for kwargs in ({}, {"weight": w}, {"pos_weight": pw}, {"weight": w, "pos_weight": pw}):
+        (ov, og), (tv, tg) = _both(nf.binary_cross_entropy_with_logits,
+                                   F.binary_cross_entropy_with_logits, [x, t],
+                                   reduction=reduction, **kwargs)
+        assert ov.dtype == tv.dtype and ov.shape == tv.shape
+        _assert_same(ov, tv, dtype)
+        for a, b in zip(og, tg):
+            _assert_same(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_bce_as_torch(device, dtype, reduction):
+    gen = torch.Generator().manual_seed(2)
+    p = (torch.rand(4, 7, generator=gen) * 0.98 + 0.01).to(device, dtype).requires_grad_()
+    t = torch.rand(4, 7, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.rand(7, generator=gen).to(device, dtype)
+    for kwargs in ({}, {"weight": w}):
+        (ov, og), (tv, tg) = _both(nf.binary_cross_entropy, F.binary_cross_entropy, [p, t],
+                                   reduction=reduction, **kwargs)
+        assert ov.dtype == tv.dtype and ov.shape == tv.shape
+        _assert_same(ov, tv, dtype)
+        for a, b in zip(og, tg):
+            _assert_same(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum", "batchmean"])
+@pytest.mark.parametrize("log_target", [False, True])
+def test_kl_div_as_torch(device, dtype, reduction, log_target):
+    gen = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(3, 6, generator=gen), 1).to(device, dtype).requires_grad_()
+    t = torch.softmax(torch.randn(3, 6, generator=gen), 1)
+    t = (t.log() if log_target else t).to(device, dtype).requires_grad_()
+    (ov, og), (tv, tg) = _both(nf.kl_div, F.kl_div, [lp, t], reduction=reduction,
+                               log_target=log_target)
+    assert ov.dtype == tv.dtype and ov.shape == tv.shape
+    _assert_same(ov, tv, dtype)
+    for a, b in zip(og, tg):
+        _assert_same(a, b, dtype)
+    # kl_div broadcasts the target as torch's does
+    row = t.detach()[:1]
+    _assert_same(nf.kl_div(lp.detach(), row, reduction="sum", log_target=log_target),
+                 F.kl_div(lp.detach(), row, reduction="sum", log_target=log_target), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_sigmoid_focal_loss_as_torchvision(device, dtype, reduction):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 4, generator=gen) * 3).to(device, dtype).requires_grad_()
+    t = (torch.rand(5, 4, generator=gen) > 0.5).to(device, dtype).requires_grad_()
+
+    def theirs(a, b, alpha, gamma, reduction):
+        loss = oracle.torchvision_focal(a, b, alpha, gamma)
+        return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
+
+    for alpha, gamma in ((0.25, 2.0), (-1.0, 1.0), (0.6, 0.0), (0.25, 3.5)):
+        (ov, og), (tv, tg) = _both(nf.sigmoid_focal_loss, theirs, [x, t], alpha, gamma, reduction)
+        _assert_same(ov, tv.to(ov.dtype), dtype)
+        for a, b in zip(og, tg):
+            _assert_same(a, b, dtype)
+
+
+def _ce_inputs(device, dtype, shape, gen):
+    x = (torch.randn(*shape, generator=gen) * 3).to(device, dtype)
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    spatial = () if len(shape) == 1 else (shape[0], *shape[2:])
+    y = torch.randint(0, classes, spatial, generator=gen).to(device)
+    if y.dim():
+        y.view(-1)[:: 4] = -100
+    probs = torch.softmax(torch.randn(*shape, generator=gen), 0 if len(shape) == 1 else 1)
+    return x, y, probs.to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (3, 5, 4), (2, 4, 3, 2)])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_cross_entropy_as_torch(device, dtype, shape, reduction):
+    gen = torch.Generator().manual_seed(5)
+    x, y, probs = _ce_inputs(device, dtype, shape, gen)
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    w = torch.rand(classes, generator=gen).to(device, dtype)
+    for target in (y, probs):
+        for kwargs in ({}, {"weight": w}, {"label_smoothing": 0.1},
+                       {"weight": w, "label_smoothing": 0.25}):
+            if target.dtype == torch.int64 and len(shape) == 1 and kwargs:
+                continue
+            leaves = [x.requires_grad_(), target.requires_grad_(target.is_floating_point())]
+            (ov, og), (tv, tg) = _both(nf.cross_entropy, F.cross_entropy, leaves,
+                                       reduction=reduction, **kwargs)
+            assert ov.dtype == tv.dtype and ov.shape == tv.shape
+            _assert_same(ov, tv, dtype)
+            for a, b in zip(og, tg):
+                _assert_same(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_mask_as_masked_fill(device, dtype):
+    """mask=... equals torch's cross_entropy of input.masked_fill(~mask, -inf)
+    where torch's is finite (no label smoothing; every target kept)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(8, 10, generator=gen).to(device, dtype)
+    mask = torch.rand(8, 10, generator=gen) > 0.4
+    y = torch.multinomial(mask.float() + 1e-9, 1, generator=gen).squeeze(1)
+    mask, y = mask.to(device), y.to(device)
+    for m in (mask, mask.to(torch.int32), mask[:1].expand(8, 10)):
+        keep = m != 0
+        if not keep.gather(1, y[:, None]).all():
+            continue
+        (ov, og), (tv, tg) = _both(lambda a: nf.cross_entropy(a, y, mask=m),
+                                   lambda a: F.cross_entropy(a.masked_fill(~keep, -torch.inf), y),
+                                   [x.requires_grad_()])
+        _assert_same(ov, tv, dtype)
+        _assert_same(og[0], tg[0], dtype)
+
+
+@pytest.mark.parametrize("device_dtype", [torch.float64])
+def test_gradcheck(device, device_dtype):
+    gen = torch.Generator().manual_seed(7)
+    kw = {"dtype": torch.float64, "device": device}
+    x = torch.randn(3, 4, generator=gen).to(**kw).requires_grad_()
+    t = torch.rand(3, 4, generator=gen).to(**kw).requires_grad_()
+    p = (torch.rand(3, 4, generator=gen) * 0.8 + 0.1).to(**kw).requires_grad_()
+    lp = torch.log_softmax(torch.randn(3, 4, generator=gen), 1).to(**kw).requires_grad_()
+    w = torch.rand(4, generator=gen).to(**kw)
+    assert torch.autograd.gradcheck(
+        lambda a, b: nf.binary_cross_entropy_with_logits(a, b, weight=w, pos_weight=w + 1), (x, t))
+    assert torch.autograd.gradcheck(lambda a, b: nf.binary_cross_entropy(a, b, weight=w), (p, t))
+    assert torch.autograd.gradcheck(lambda a, b: nf.kl_div(a, b, reduction="batchmean"), (lp, t))
+    assert torch.autograd.gradcheck(lambda a, b: nf.kl_div(a, b, log_target=True), (lp, (lp * 0.5).detach().requires_grad_()))
+    for gamma in (0.5, 2.0):
+        assert torch.autograd.gradcheck(lambda a, b: nf.sigmoid_focal_loss(a, b, 0.3, gamma), (x, t))
+    y = torch.tensor([0, 3, -100], device=device)
+    mask = torch.tensor([[True, True, False, True]] * 3, device=device)
+    assert torch.autograd.gradcheck(
+        lambda a: nf.cross_entropy(a, y, weight=w, label_smoothing=0.2, mask=mask), (x,))
+    assert torch.autograd.gradcheck(
+        lambda a, b: nf.cross_entropy(a, b, weight=w, label_smoothing=0.1), (x, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(device, dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 5, generator=gen).to(device, dtype)
+    t = torch.rand(3, 5, generator=gen).to(device, dtype)
+    w = torch.rand(5, generator=gen).to(device, dtype)
+    ops = torch.ops.nanfree
+    for kind in range(5):
+        operand = t if kind != 1 else t.clamp(0.05, 0.95)
+        weights = (w, w + 1) if kind == 0 else (None, None)
+        opcheck(ops.pointwise_loss, (x if kind != 1 else operand, t, *weights, kind, 0.25, 2.0))
+        opcheck(ops.pointwise_loss_backward,
+                (torch.ones_like(x), x if kind != 1 else operand, t, *weights, kind, 0.25, 2.0, 0))
+    x3 = x.reshape(3, 5, 1)
+    y = torch.tensor([[0], [4], [-100]], device=device)
+    mask = torch.rand(3, 5, 1, generator=gen).to(device) > 0.2
+    for target in (y, t.reshape(3, 5, 1)):
+        args = (x3, target, w, mask, -100, 0.1)
+        opcheck(ops.cross_entropy, args)
+        loss, stats = ops.cross_entropy(*args)
+        opcheck(ops.cross_entropy_backward,
+                (torch.ones_like(loss), *args, stats, target.is_floating_point()))
+
+
+def test_compile_fullgraph(device):
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 6, generator=gen).to(device).requires_grad_()
+    y = torch.tensor([0, 5, 2, -100], device=device)
+    t = torch.rand(4, 6, generator=gen).to(device)
+    mask = torch.ones(6, dtype=torch.bool, device=device)
+
+    def step(a):
+        return (nf.cross_entropy(a, y, label_smoothing=0.1, mask=mask)
+                + nf.binary_cross_entropy_with_logits(a, t)
+                + nf.sigmoid_focal_loss(a, t, reduction="mean")
+                + nf.kl_div(torch.log_softmax(a, 1), t, reduction="batchmean"))
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    expected = step(x)
+    (ge,) = torch.autograd.grad(expected, x)
+    got = compiled(x)
+    (gg,) = torch.autograd.grad(got, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(gg, ge)
+
+
+def test_double_backward_refused(device):
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    t = torch.rand(3, 4, device=device)
+    for loss in (nf.binary_cross_entropy_with_logits(x, t),
+                 nf.cross_entropy(x, torch.tensor([0, 1, 2], device=device))):
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        with pytest.raises(RuntimeError, match="has no derivative: double backward"):
+            torch.autograd.grad(g.sum(), x)
+
+
+AUTOCAST_TWINS = {"binary_cross_entropy_with_logits": "aten::binary_cross_entropy_with_logits",
+                  "kl_div": "aten::kl_div", "binary_cross_entropy": "aten::binary_cross_entropy"}
+
+
+@pytest.mark.parametrize("loss", sorted(AUTOCAST_TWINS))
+@pytest.mark.parametrize("key", ["AutocastCPU", "AutocastCUDA"])
+def test_autocast_policy_is_torchs(loss, key):
+    """The losses run in float32 under autocast (binary_cross_entropy refused on
+    CUDA) because torch's ops have autocast kernels there; cross_entropy's
+    log_softmax and nll_loss, and focal's float32 cross entropy, likewise."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(AUTOCAST_TWINS[loss], key)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", key)
+
+
+def test_autocast_dtype_as_torch(device):
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    x = torch.randn(4, 5, device=device, dtype=autocast_dtype)
+    t = torch.rand(4, 5, device=device, dtype=autocast_dtype)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    with torch.autocast(device_type=device, dtype=autocast_dtype):
+        pairs = [(nf.binary_cross_entropy_with_logits(x, t), F.binary_cross_entropy_with_logits(x, t)),
+                 (nf.cross_entropy(x, y), F.cross_entropy(x, y)),
+                 (nf.kl_div(x, t, reduction="sum"), F.kl_div(x, t, reduction="sum")),
+                 (nf.sigmoid_focal_loss(x, t), oracle.torchvision_focal(x, t, 0.25, 2))]
+        if device == "cpu":
+            pairs.append((nf.binary_cross_entropy(t, t), F.binary_cross_entropy(t, t)))
+        else:
+            with pytest.raises(RuntimeError, match="unsafe to autocast"):
+                nf.binary_cross_entropy(t, t)
+    for ours, theirs in pairs:
+        assert ours.dtype == theirs.dtype == torch.float32
+
+
+def test_legacy_reduction_arguments(device):
+    x = torch.randn(3, 4, device=device)
+    t = torch.rand(3, 4, device=device)
+    torch.testing.assert_close(nf.binary_cross_entropy_with_logits(x, t, size_average=False),
+                               F.binary_cross_entropy_with_logits(x, t, size_average=False))
+    torch.testing.assert_close(nf.kl_div(x, t, reduce=False), F.kl_div(x, t, reduce=False))
+
+
+def test_modules(device):
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 6, generator=gen).to(device)
+    t = torch.rand(4, 6, generator=gen).to(device)
+    y = torch.tensor([1, 0, 5, -100], device=device)
+    w = torch.rand(6, generator=gen).to(device)
+    pairs = [
+        (nanfree.nn.BCEWithLogitsLoss(weight=w, pos_weight=w)(x, t),
+         torch.nn.BCEWithLogitsLoss(weight=w, pos_weight=w)(x, t)),
+        (nanfree.nn.BCELoss(reduction="sum")(torch.sigmoid(x), t),
+         torch.nn.BCELoss(reduction="sum")(torch.sigmoid(x), t)),
+        (nanfree.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1)(x, y),
+         torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1)(x, y)),
+        (nanfree.nn.KLDivLoss(reduction="batchmean")(torch.log_softmax(x, 1), t),
+         torch.nn.KLDivLoss(reduction="batchmean")(torch.log_softmax(x, 1), t)),
+        (nanfree.nn.SigmoidFocalLoss(alpha=0.3, gamma=1.5, reduction="sum")(x, t),
+         oracle.torchvision_focal(x, t, 0.3, 1.5).sum()),
+    ]
+    for ours, theirs in pairs:
+        torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=1e-6)
+    masked = nanfree.nn.CrossEntropyLoss()(x, y, mask=torch.ones(6, dtype=torch.bool, device=device))
+    torch.testing.assert_close(masked, F.cross_entropy(x, y))
+    assert "weight" in dict(nanfree.nn.CrossEntropyLoss(weight=w).named_buffers())
