@@ -200,7 +200,7 @@ def calls(quick):
                        "focal": lambda: ops.sigmoid_focal_loss(x, t, gamma=0.5, reduction="sum")}[loss]()
                 torch.autograd.grad(out, (x, t))
             found.append((f"{loss} {dtype}", loss_call))
-        for n in ([1000] if quick else [5, 1000, 40000]):
+        for n in ([1000] if quick else [5, 40000]):
             for target in ("index", "probabilities"):
                 for inner in (1, 3):
                     def ce_call(n=n, dtype=dtype, target=target, inner=inner, masked=False):
@@ -214,8 +214,9 @@ def calls(quick):
                         out = ops.cross_entropy(x, y, label_smoothing=0.1, mask=mask)
                         torch.autograd.grad(out, (x, y) if y.is_floating_point() else (x,))
                     found.append((f"cross_entropy {dtype} {n} {target} inner={inner}", ce_call))
-                    found.append((f"cross_entropy {dtype} {n} {target} inner={inner} masked",
-                                  lambda ce_call=ce_call: ce_call(masked=True)))
+                    if inner == 1:  # the mask's strides are arguments: one layout suffices
+                        found.append((f"cross_entropy {dtype} {n} {target} masked",
+                                      lambda ce_call=ce_call: ce_call(masked=True)))
     return found
 
 
