@@ -46,10 +46,13 @@ OTHER=(-m "not backend_independent")
 triton_log="$(mktemp)"
 run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}" >"$triton_log" 2>&1 &
 triton_pid=$!
-trap 'pkill -P "$triton_pid" 2>/dev/null; kill "$triton_pid" 2>/dev/null || true' EXIT
+# On an early exit (a failed pass), the background pass goes too; `|| true`:
+# under `set -e` a failing command in the trap would become the run's status.
+trap 'pkill -P "$triton_pid" 2>/dev/null || true; kill "$triton_pid" 2>/dev/null || true' EXIT
 wait_for_triton() {
   local status=0
   wait "$triton_pid" || status=$?
+  trap - EXIT
   echo "=== output of the Triton-interpreter pass (run beside the others) ==="
   cat "$triton_log"
   rm -f "$triton_log"

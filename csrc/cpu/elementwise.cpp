@@ -17,7 +17,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "cpu/elementwise.h"  // before the headers: their vector primitives
+#include "cpu/vec_math.h"  // before the headers: their vector primitives
 #include "cpu/vec.h"
 
 // MKL's vector math functions (VML), weakly linked: nullptr where the torch this

@@ -20,7 +20,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "cpu/elementwise.h"  // before the headers: their vector primitives
+#include "cpu/vec_math.h"  // before the headers: their vector primitives
 #include "cpu/vec.h"
 
 #include "common/elementwise_op.h"

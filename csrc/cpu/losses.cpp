@@ -1,6 +1,7 @@
 // CPU kernels of the losses family's pointwise losses: pointwise_loss and
 // pointwise_loss_backward of csrc/registration.cpp, one TensorIterator loop
-// applying nanfree/losses_math.h to each element. TensorIterator broadcasts
+// applying nanfree/losses_math.h to each element (eight or sixteen at a time
+// where the run allows, see pointwise_loop). TensorIterator broadcasts
 // weight, pos_weight and grad (a 0-d 1 stands for an absent weight), reads
 // strided operands in place and splits the work over threads; the output is
 // contiguous. The cross-entropy kernels are in losses_cross_entropy.cpp.
@@ -10,8 +11,12 @@
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+
+#include "cpu/vec_math.h"  // before the headers: their vector primitives
+#include "cpu/vec.h"
 
 #include "common/losses_op.h"
 #include "nanfree/losses_math.h"
@@ -19,21 +24,57 @@
 namespace nanfree {
 namespace {
 
+using cpu::Vec;
+
 template <typename scalar_t>
 at::opmath_type<scalar_t> read(const char* base, int64_t stride, int64_t i) {
   return static_cast<at::opmath_type<scalar_t>>(
       *reinterpret_cast<const scalar_t*>(base + i * stride));
 }
 
-// Operands (out, [grad,] x, t, w, pw): the loss value, or grad times one partial.
+// Operands (out, [grad,] x, t, w, pw): the loss value, or grad times one
+// partial. A run whose output is contiguous and whose inputs are contiguous or
+// broadcast (stride 0: a scalar weight, a pos_weight row against a matrix, the
+// mean's upstream gradient) goes through the header's functions instantiated
+// with ATen's vectors (Sleef's exp, log1p, pow), float16 and bfloat16 widened
+// to float; other runs element by element.
 template <PointwiseLoss kind, bool kGrad, typename scalar_t>
 void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d, int partial) {
   using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
   const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
   const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
   constexpr int first = kGrad ? 2 : 1;
+  constexpr int tensors = first + 4;
   iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
+    bool vector_run = strides[0] == kSize;
+    for (int k = 1; k < tensors; ++k) vector_run = vector_run && (strides[k] == kSize || strides[k] == 0);
+    int64_t i = 0;
+    if (vector_run) {
+      auto load = [&](int k, int64_t j, int64_t count) {
+        const auto* p = reinterpret_cast<const scalar_t*>(data[k]);
+        return strides[k] == 0 ? V(static_cast<acc_t>(*p)) : cpu::load_vec(p + j, count);
+      };
+      const V valpha(alpha), vgamma(gamma), vbound(bound);
+      auto* out = reinterpret_cast<scalar_t*>(data[0]);
+      for (; i < n; i += W) {
+        const int64_t count = std::min<int64_t>(W, n - i);
+        const PointwiseOperands<V> o{load(first, i, count), load(first + 1, i, count),
+                                     load(first + 2, i, count), load(first + 3, i, count)};
+        V r;
+        if constexpr (kGrad) {
+          r = loss_chain_rule(load(1, i, count), pointwise_loss_grad<kind>(o, valpha, vgamma, partial),
+                              vbound);
+        } else {
+          r = pointwise_loss_value<kind>(o, valpha, vgamma);
+        }
+        cpu::store_vec<scalar_t>(r, out + i, count);
+      }
+      return;
+    }
+    for (; i < n; ++i) {
       const PointwiseOperands<acc_t> o{read<scalar_t>(data[first], strides[first], i),
                                        read<scalar_t>(data[first + 1], strides[first + 1], i),
                                        read<scalar_t>(data[first + 2], strides[first + 2], i),

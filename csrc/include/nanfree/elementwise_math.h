@@ -32,14 +32,6 @@ NF_HOST_DEVICE float nf_acos(float x) { return ::acosf(x); }
 NF_HOST_DEVICE double nf_acos(double x) { return ::acos(x); }
 NF_HOST_DEVICE float nf_asin(float x) { return ::asinf(x); }
 NF_HOST_DEVICE double nf_asin(double x) { return ::asin(x); }
-NF_HOST_DEVICE float nf_abs(float x) { return ::fabsf(x); }
-NF_HOST_DEVICE double nf_abs(double x) { return ::fabs(x); }
-
-// a where cond, else b (a select on scalars; a lane blend on CPU vectors).
-template <typename T>
-NF_HOST_DEVICE T nf_where(bool cond, T a, T b) {
-  return cond ? a : b;
-}
 
 // The unary ops, in the order of the op table of csrc/common/elementwise_op.h.
 enum class UnaryOp : int { kSqrt = 0, kLog = 1, kLog1p = 2, kAcos = 3, kAsin = 4 };

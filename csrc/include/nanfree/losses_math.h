@@ -18,28 +18,43 @@
 
 namespace nanfree {
 
+// The pointwise functions below are templates written with operators,
+// comparisons, `&`, `|`, nf_where and the nf_* primitives only, without
+// branches: T is float or double (CPU scalars, CUDA) or an ATen CPU vector of
+// them (csrc/cpu/vec_math.h declares the vector primitives; a comparison is
+// then a lane mask). Constants that are per call (alpha, gamma, the bound)
+// come in as T.
+
+template <typename T>
+NF_HOST_DEVICE auto loss_is_nan(T x) -> decltype(x != x) {
+  return x != x;
+}
+
+// Whether x is +-inf: x - x is NaN only for an infinite or NaN x.
+template <typename T>
+NF_HOST_DEVICE auto loss_is_infinite(T x) -> decltype(x != x) {
+  return ((x - x) != (x - x)) & (x == x);
+}
 
 // a * b where a factor that is exactly 0 wins against an infinite one (a term
 // whose weight is 0 contributes 0 even where its log is infinite); NaN stays NaN.
 template <typename T>
 NF_HOST_DEVICE T loss_product(T a, T b) {
-  if (nf_isnan(a) || nf_isnan(b)) return a + b;
-  return (a == T(0) || b == T(0)) ? T(0) : a * b;
+  return nf_where(((a == T(0)) | (b == T(0))) & (a == a) & (b == b), T(0), a * b);
 }
 
 // log(1 + exp(x)) for every x: max(x, 0) + log1p(exp(-|x|)) neither overflows
 // nor cancels; +inf at +inf, 0 at -inf.
 template <typename T>
 NF_HOST_DEVICE T softplus(T x) {
-  const T magnitude = x < T(0) ? -x : x;
-  return (x > T(0) ? x : T(0)) + nf_log1p(nf_exp(-magnitude));
+  return nf_where(x > T(0), x, T(0)) + nf_log1p(nf_exp(T(0) - nf_abs(x)));
 }
 
 // 1 / (1 + exp(-x)): exp overflows to inf for x very negative, which gives
 // the limit 0; 1 at +inf.
 template <typename T>
 NF_HOST_DEVICE T sigmoid(T x) {
-  return T(1) / (T(1) + nf_exp(-x));
+  return T(1) / (T(1) + nf_exp(T(0) - x));
 }
 
 // The pointwise losses. Each has a value and its derivatives in the input x
@@ -71,7 +86,8 @@ struct PointwiseOperands {
 // other is the exact +inf.
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_value(PointwiseOperands<T> o) {
-  const T loss = loss_product(o.pw * o.t, softplus(-o.x)) + loss_product(T(1) - o.t, softplus(o.x));
+  const T loss = loss_product(o.pw * o.t, softplus(T(0) - o.x)) +
+                 loss_product(T(1) - o.t, softplus(o.x));
   return loss_product(o.w, loss);
 }
 
@@ -79,7 +95,7 @@ NF_HOST_DEVICE T bce_with_logits_value(PointwiseOperands<T> o) {
 // finite at x = +-inf.
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_grad_input(PointwiseOperands<T> o) {
-  const T d = (T(1) - o.t) * sigmoid(o.x) - o.pw * o.t * sigmoid(-o.x);
+  const T d = (T(1) - o.t) * sigmoid(o.x) - o.pw * o.t * sigmoid(T(0) - o.x);
   return loss_product(o.w, d);
 }
 
@@ -87,10 +103,10 @@ NF_HOST_DEVICE T bce_with_logits_grad_input(PointwiseOperands<T> o) {
 // (the caller saturates it).
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_grad_target(PointwiseOperands<T> o) {
-  // The derivative does not read t; a NaN target still makes it NaN (rule: NaN in, NaN out).
-  if (nf_isnan(o.t)) return o.t;
   // A weight pw of 0 contributes 0 against softplus(-x) = inf at x = -inf.
-  return loss_product(o.w, loss_product(o.pw, softplus(-o.x)) - softplus(o.x));
+  const T d = loss_product(o.w, loss_product(o.pw, softplus(T(0) - o.x)) - softplus(o.x));
+  // The derivative does not read t; a NaN target still makes it NaN (rule: NaN in, NaN out).
+  return nf_where(loss_is_nan(o.t), o.t, d);
 }
 
 // --- binary_cross_entropy ------------------------------------------------------
@@ -99,7 +115,7 @@ NF_HOST_DEVICE T bce_with_logits_grad_target(PointwiseOperands<T> o) {
 // domain rule of the elementwise ops; torch raises on CPU and asserts on CUDA).
 template <typename T>
 NF_HOST_DEVICE T probability_in_domain(T p) {
-  return p < T(0) ? T(0) : (p > T(1) ? T(1) : p);
+  return nf_where(p < T(0), T(0), nf_where(p > T(1), T(1), p));
 }
 
 // -w (t log p + (1 - t) log1p(-p)), not clamped (torch clamps each log at -100):
@@ -108,7 +124,7 @@ NF_HOST_DEVICE T probability_in_domain(T p) {
 template <typename T>
 NF_HOST_DEVICE T bce_value(PointwiseOperands<T> o) {
   const T p = probability_in_domain(o.x);
-  const T loss = loss_product(o.t, -nf_log(p)) + loss_product(T(1) - o.t, -nf_log1p(-p));
+  const T loss = loss_product(o.t, T(0) - nf_log(p)) + loss_product(T(1) - o.t, T(0) - nf_log1p(T(0) - p));
   return loss_product(o.w, loss);
 }
 
@@ -117,19 +133,19 @@ NF_HOST_DEVICE T bce_value(PointwiseOperands<T> o) {
 // Outside [0, 1] the loss is constant: 0.
 template <typename T>
 NF_HOST_DEVICE T bce_grad_input(PointwiseOperands<T> o) {
-  if (o.x < T(0) || o.x > T(1)) return T(0);  // outside the domain the loss does not move
   const T p = o.x;
-  const T low = o.t == T(0) ? T(0) : -o.t / p;
-  const T high = o.t == T(1) ? T(0) : (T(1) - o.t) / (T(1) - p);
-  return loss_product(o.w, low + high);
+  const T low = nf_where(o.t == T(0), T(0), (T(0) - o.t) / p);
+  const T high = nf_where(o.t == T(1), T(0), (T(1) - o.t) / (T(1) - p));
+  // Outside the domain the loss does not move.
+  return nf_where((p < T(0)) | (p > T(1)), T(0), loss_product(o.w, low + high));
 }
 
 // d/dt: w (log1p(-p) - log p): +inf at p = 0, -inf at p = 1 (saturated by the caller).
 template <typename T>
 NF_HOST_DEVICE T bce_grad_target(PointwiseOperands<T> o) {
-  if (nf_isnan(o.t)) return o.t;  // not read, but NaN in gives NaN out
   const T p = probability_in_domain(o.x);
-  return loss_product(o.w, nf_log1p(-p) - nf_log(p));
+  const T d = loss_product(o.w, nf_log1p(T(0) - p) - nf_log(p));
+  return nf_where(loss_is_nan(o.t), o.t, d);  // not read, but NaN in gives NaN out
 }
 
 // --- kl_div --------------------------------------------------------------------
@@ -137,14 +153,20 @@ NF_HOST_DEVICE T bce_grad_target(PointwiseOperands<T> o) {
 // A target below 0 (log_target false) is read as 0 (the domain rule).
 template <typename T>
 NF_HOST_DEVICE T target_in_domain(T t) {
-  return t < T(0) ? T(0) : t;
+  return nf_where(t < T(0), T(0), t);
 }
 
 // log t - x where log t and x are the same infinity: the input matches the
 // target there, so the difference is 0 (inf - inf would be NaN).
 template <typename T>
 NF_HOST_DEVICE T log_ratio(T log_t, T x) {
-  return (log_t == x) ? T(0) : log_t - x;
+  return nf_where(log_t == x, T(0), log_t - x);
+}
+
+// NaN where x or t is (value and both derivatives), else r.
+template <typename T>
+NF_HOST_DEVICE T kl_propagate_nan(T x, T t, T r) {
+  return nf_where(loss_is_nan(x) | loss_is_nan(t), x + t, r);
 }
 
 // t (log t - x): a zero target contributes 0 whatever x (-inf included; torch:
@@ -152,45 +174,40 @@ NF_HOST_DEVICE T log_ratio(T log_t, T x) {
 template <typename T>
 NF_HOST_DEVICE T kl_div_value(PointwiseOperands<T> o) {
   const T t = target_in_domain(o.t);
-  if (nf_isnan(o.x) || nf_isnan(o.t)) return o.x + o.t;
-  if (t == T(0)) return T(0);  // 0 log 0 = 0, and 0 * x = 0 for every x
-  // t = x = +inf: a match (log_ratio 0), and inf * 0 is 0 there.
-  return loss_product(t, log_ratio(nf_log(t), o.x));
+  // t = x = +inf: a match (log_ratio 0), and inf * 0 is 0 there; t == 0:
+  // 0 log 0 = 0 and 0 * x = 0 for every x.
+  const T r = nf_where(t == T(0), T(0), loss_product(t, log_ratio(nf_log(t), o.x)));
+  return kl_propagate_nan(o.x, o.t, r);
 }
 
 template <typename T>
 NF_HOST_DEVICE T kl_div_grad_input(PointwiseOperands<T> o) {
-  if (nf_isnan(o.x)) return o.x;
-  return -target_in_domain(o.t);
+  return nf_where(loss_is_nan(o.x), o.x, T(0) - target_in_domain(o.t));
 }
 
 // d/dt: log t + 1 - x, -inf at t = 0 (saturated by the caller); 0 below 0, where
 // the loss does not move.
 template <typename T>
 NF_HOST_DEVICE T kl_div_grad_target(PointwiseOperands<T> o) {
-  if (nf_isnan(o.x) || nf_isnan(o.t)) return o.x + o.t;
-  if (o.t < T(0)) return T(0);  // outside the domain the loss does not move
-  return log_ratio(nf_log(o.t), o.x) + T(1);
+  const T d = nf_where(o.t < T(0), T(0), log_ratio(nf_log(o.t), o.x) + T(1));
+  return kl_propagate_nan(o.x, o.t, d);
 }
 
 // exp(t) (t - x), t a log-probability: t = -inf (a zero target) contributes 0.
 template <typename T>
 NF_HOST_DEVICE T kl_div_log_target_value(PointwiseOperands<T> o) {
-  if (nf_isnan(o.x) || nf_isnan(o.t)) return o.x + o.t;
-  return loss_product(nf_exp(o.t), log_ratio(o.t, o.x));
+  return kl_propagate_nan(o.x, o.t, loss_product(nf_exp(o.t), log_ratio(o.t, o.x)));
 }
 
 template <typename T>
 NF_HOST_DEVICE T kl_div_log_target_grad_input(PointwiseOperands<T> o) {
-  if (nf_isnan(o.x)) return o.x;
-  return -nf_exp(o.t);
+  return nf_where(loss_is_nan(o.x), o.x, T(0) - nf_exp(o.t));
 }
 
 // d/dt: exp(t) (t - x + 1): 0 at t = -inf.
 template <typename T>
 NF_HOST_DEVICE T kl_div_log_target_grad_target(PointwiseOperands<T> o) {
-  if (nf_isnan(o.x) || nf_isnan(o.t)) return o.x + o.t;
-  return loss_product(nf_exp(o.t), log_ratio(o.t, o.x) + T(1));
+  return kl_propagate_nan(o.x, o.t, loss_product(nf_exp(o.t), log_ratio(o.t, o.x) + T(1)));
 }
 
 // --- sigmoid_focal_loss (torchvision's) ----------------------------------------
@@ -198,7 +215,7 @@ NF_HOST_DEVICE T kl_div_log_target_grad_target(PointwiseOperands<T> o) {
 // alpha t + (1 - alpha) (1 - t) for alpha >= 0, else 1 (torchvision's rule).
 template <typename T>
 NF_HOST_DEVICE T focal_alpha_t(T t, T alpha) {
-  return alpha >= T(0) ? alpha * t + (T(1) - alpha) * (T(1) - t) : T(1);
+  return nf_where(alpha >= T(0), alpha * t + (T(1) - alpha) * (T(1) - t), T(1));
 }
 
 // The focal parts: ce = bce_with_logits(x, t); m = 1 - p_t = sigmoid(x) (1 - t)
@@ -216,9 +233,9 @@ struct FocalParts {
 template <typename T>
 NF_HOST_DEVICE FocalParts<T> focal_parts(T x, T t, T gamma) {
   FocalParts<T> f;
-  f.ce = loss_product(t, softplus(-x)) + loss_product(T(1) - t, softplus(x));
+  f.ce = loss_product(t, softplus(T(0) - x)) + loss_product(T(1) - t, softplus(x));
   f.sig = sigmoid(x);
-  f.sig_neg = sigmoid(-x);
+  f.sig_neg = sigmoid(T(0) - x);
   f.m = f.sig * (T(1) - t) + f.sig_neg * t;
   f.m_gamma = nf_pow(f.m, gamma);
   return f;
@@ -238,17 +255,17 @@ NF_HOST_DEVICE T sigmoid_focal_value(PointwiseOperands<T> o, T alpha, T gamma) {
 template <typename T>
 NF_HOST_DEVICE T sigmoid_focal_grad_input(PointwiseOperands<T> o, T alpha, T gamma) {
   const FocalParts<T> f = focal_parts(o.x, o.t, gamma);
-  if (nf_isnan(f.ce)) return f.ce;
   const T slope = T(1) - T(2) * o.t;
   // m = 0 only where the logit is saturated toward its target (t in {0, 1}):
   // the limit of m'/m there is 1 - 2t.
-  const T ratio = f.m == T(0) ? slope : f.sig * f.sig_neg * slope / f.m;
-  // ce = +inf (the other saturation) meets ratio = 0 there: the term is 0.
+  const T ratio = nf_where(f.m == T(0), slope, f.sig * f.sig_neg * slope / f.m);
   // ce' = sigmoid(x) - t, formed as bce_with_logits_grad_input's two terms: no
   // 1 - 1 where sigmoid(x) rounds to 1 (x = 20 in float).
   const T ce_slope = (T(1) - o.t) * f.sig - o.t * f.sig_neg;
+  // ce = +inf (the other saturation) meets ratio = 0 there: the term is 0.
   const T d = ce_slope + loss_product(gamma, loss_product(f.ce, ratio));
-  return focal_alpha_t(o.t, alpha) * loss_product(f.m_gamma, d);
+  const T r = focal_alpha_t(o.t, alpha) * loss_product(f.m_gamma, d);
+  return nf_where(loss_is_nan(f.ce), f.ce, r);  // NaN in, NaN out
 }
 
 // d/dt: m^g (alpha_t' ce + alpha_t (-x + g (ce / m) m_t)), alpha_t' = 2 alpha - 1
@@ -256,25 +273,24 @@ NF_HOST_DEVICE T sigmoid_focal_grad_input(PointwiseOperands<T> o, T alpha, T gam
 template <typename T>
 NF_HOST_DEVICE T sigmoid_focal_grad_target(PointwiseOperands<T> o, T alpha, T gamma) {
   const FocalParts<T> f = focal_parts(o.x, o.t, gamma);
-  if (nf_isnan(f.ce)) return f.ce;
-  const T alpha_slope = alpha >= T(0) ? T(2) * alpha - T(1) : T(0);
-  if (nf_isinf(o.x)) {
-    // ce, -x and ce / m are infinite together (inf - inf below): the limit is
-    // m^g times S (alpha_t' m + s alpha_t (1 + g)), S = |x| -> inf, with m the
-    // weight of the infinite softplus in ce and s = +1 at -inf, -1 at +inf.
-    const T m = o.x < T(0) ? o.t : T(1) - o.t;
-    const T side = o.x < T(0) ? T(1) : T(-1);
-    const T coefficient = alpha_slope * m + side * focal_alpha_t(o.t, alpha) * (T(1) + gamma);
-    return loss_product(f.m_gamma, loss_product(coefficient, nf_inf<T>()));
-  }
+  const T alpha_slope = nf_where(alpha >= T(0), T(2) * alpha - T(1), T(0));
   // ce and m vanish together where the logit saturates toward its target; ce/m
   // tends to 1 there (0 / 0 otherwise).
-  const T ce_over_m = f.m == T(0) ? T(1) : f.ce / f.m;
+  const T ce_over_m = nf_where(f.m == T(0), T(1), f.ce / f.m);
   // gamma = 0 against ce / m = inf (a logit saturated against its target): 0.
-  const T inner = -o.x + loss_product(gamma, loss_product(ce_over_m, f.sig_neg - f.sig));
+  const T inner = (T(0) - o.x) + loss_product(gamma, loss_product(ce_over_m, f.sig_neg - f.sig));
   const T d = loss_product(alpha_slope, f.ce) + loss_product(focal_alpha_t(o.t, alpha), inner);
-  // m^g = 0 (saturated toward the target, g > 0) against -x = -inf: 0.
-  return loss_product(f.m_gamma, d);
+  // At x = +-inf, ce, -x and ce / m are infinite together (inf - inf above):
+  // the limit is m^g times S (alpha_t' m + s alpha_t (1 + g)), S = |x| -> inf,
+  // with m the weight of the infinite softplus in ce and s = +1 at -inf, -1 at +inf.
+  const T m_at_infinity = nf_where(o.x < T(0), o.t, T(1) - o.t);
+  const T side = nf_where(o.x < T(0), T(1), T(-1));
+  const T coefficient =
+      alpha_slope * m_at_infinity + side * focal_alpha_t(o.t, alpha) * (T(1) + gamma);
+  const T limit = loss_product(coefficient, T(HUGE_VAL));
+  // m^g = 0 (saturated toward the target, g > 0) against an infinite d: 0.
+  const T r = loss_product(f.m_gamma, nf_where(loss_is_infinite(o.x), limit, d));
+  return nf_where(loss_is_nan(f.ce), f.ce, r);  // NaN in, NaN out
 }
 
 // The dispatch of the pointwise losses by kind: value, d/dx (partial 0), d/dt (partial 1).
@@ -312,7 +328,9 @@ NF_HOST_DEVICE T pointwise_loss_grad(PointwiseOperands<T> o, T alpha, T gamma, i
 // infinite partial (the loss of an element that is not used).
 template <typename T>
 NF_HOST_DEVICE T loss_chain_rule(T g, T partial, T bound) {
-  return saturate(loss_product(g, partial), bound);
+  const T r = loss_product(g, partial);
+  // Past the dtype's range: its largest value with the sign (NaN stays NaN).
+  return nf_where(r > bound, bound, nf_where(r < T(0) - bound, T(0) - bound, r));
 }
 
 // --- cross_entropy -------------------------------------------------------------

@@ -26,6 +26,16 @@ NF_HOST_DEVICE float nf_log(float x) { return ::logf(x); }
 NF_HOST_DEVICE double nf_log(double x) { return ::log(x); }
 NF_HOST_DEVICE float nf_log1p(float x) { return ::log1pf(x); }
 NF_HOST_DEVICE double nf_log1p(double x) { return ::log1p(x); }
+NF_HOST_DEVICE float nf_abs(float x) { return ::fabsf(x); }
+NF_HOST_DEVICE double nf_abs(double x) { return ::fabs(x); }
+
+// a where cond, else b: a select on scalars. The headers whose functions are
+// also instantiated with CPU vectors (elementwise, losses) select through it;
+// csrc/cpu/vec_math.h gives the lane blend of vectors.
+template <typename T>
+NF_HOST_DEVICE T nf_where(bool cond, T a, T b) {
+  return cond ? a : b;
+}
 NF_HOST_DEVICE float nf_pow(float x, float y) { return ::powf(x, y); }
 NF_HOST_DEVICE double nf_pow(double x, double y) { return ::pow(x, y); }
 NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }

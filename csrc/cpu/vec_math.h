@@ -1,8 +1,9 @@
-// Shared internals of the elementwise family's CPU kernels (elementwise.cpp:
-// the unary ops; elementwise_binary.cpp: the binary ops): the vector
-// primitives of nanfree/elementwise_math.h and elementwise_binary_math.h,
-// declared before those headers are included so that their templates find
-// them. A comparison of vectors is a lane mask, and nf_where blends by it.
+// The vector primitives of the shared headers' functions that the CPU kernels
+// also instantiate with ATen's vectors (nanfree/elementwise_math.h,
+// elementwise_binary_math.h: the elementwise family; losses_math.h: the
+// losses' pointwise functions), declared before those headers are included so
+// that their templates find them. A comparison of vectors is a lane mask, and
+// nf_where blends by it. Sleef's 1-ulp functions (ATen's Vectorized methods).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -18,6 +19,8 @@ template <typename T>
 at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
 template <typename T>
 at::vec::Vectorized<T> nf_log(const at::vec::Vectorized<T>& x) { return x.log(); }
+template <typename T>
+at::vec::Vectorized<T> nf_exp(const at::vec::Vectorized<T>& x) { return x.exp(); }
 template <typename T>
 at::vec::Vectorized<T> nf_log1p(const at::vec::Vectorized<T>& x) { return x.log1p(); }
 template <typename T>
