@@ -37,23 +37,40 @@ def sigmoid(x):
     return 1.0 / (1.0 + torch.exp(-x))
 
 
+def softplus_pair(x):
+    """(softplus(x), softplus(-x)) from one exp and one log1p."""
+    l = torch.log1p(torch.exp(-x.abs()))
+    return x.clamp(min=0) + l, (-x).clamp(min=0) + l
+
+
+def sigmoid_pair(x):
+    """(sigmoid(x), sigmoid(-x)) from one exp: 1 / (1 + e) and e / (1 + e), e = exp(-|x|)."""
+    e = torch.exp(-x.abs())
+    big = 1.0 / (1.0 + e)
+    small = e * big
+    return _where(x < 0, small, big), _where(x < 0, big, small)
+
+
 # --- binary_cross_entropy_with_logits ----------------------------------------------
 
 
 def bce_with_logits_value(x, t, w, pw):
     # Each term weighted by its own coefficient: 0 where the target agrees at x = +-inf.
-    loss = loss_product(pw * t, softplus(-x)) + loss_product(1 - t, softplus(x))
+    sp_pos, sp_neg = softplus_pair(x)
+    loss = loss_product(pw * t, sp_neg) + loss_product(1 - t, sp_pos)
     return loss_product(w, loss)
 
 
 def bce_with_logits_grad_input(x, t, w, pw):
-    return loss_product(w, (1 - t) * sigmoid(x) - pw * t * sigmoid(-x))
+    sig, sig_neg = sigmoid_pair(x)
+    return loss_product(w, (1 - t) * sig - pw * t * sig_neg)
 
 
 def bce_with_logits_grad_target(x, t, w, pw):
     # A weight pw of 0 contributes 0 against softplus(-x) = inf at x = -inf;
     # the derivative does not read t, but a NaN target still gives NaN.
-    d = loss_product(w, loss_product(pw, softplus(-x)) - softplus(x))
+    sp_pos, sp_neg = softplus_pair(x)
+    d = loss_product(w, loss_product(pw, sp_neg) - sp_pos)
     return _where(torch.isnan(t), t, d)
 
 
@@ -130,8 +147,9 @@ def focal_alpha_t(t, alpha):
 
 
 def focal_parts(x, t, gamma):
-    ce = loss_product(t, softplus(-x)) + loss_product(1 - t, softplus(x))
-    sig, sig_neg = sigmoid(x), sigmoid(-x)
+    sp_pos, sp_neg = softplus_pair(x)
+    ce = loss_product(t, sp_neg) + loss_product(1 - t, sp_pos)
+    sig, sig_neg = sigmoid_pair(x)
     m = sig * (1 - t) + sig_neg * t  # 1 - p_t from both sigmoids: no 1 - 1 = 0
     return ce, m, torch.pow(m, gamma), sig, sig_neg
 

@@ -82,6 +82,22 @@ def sigmoid(x):
     return ieee_div(1.0, 1.0 + nf_exp(-x))
 
 
+@triton.jit
+def softplus_pair(x):
+    # (softplus(x), softplus(-x)) from one exp and one log1p.
+    l = nf_log1p(nf_exp(-tl.abs(x)))
+    return tl.where(x > 0, x, 0.0) + l, tl.where(x < 0, -x, 0.0) + l
+
+
+@triton.jit
+def sigmoid_pair(x):
+    # (sigmoid(x), sigmoid(-x)) from one exp: 1 / (1 + e) and e / (1 + e), e = exp(-|x|).
+    e = nf_exp(-tl.abs(x))
+    big = ieee_div(1.0, 1.0 + e)
+    small = e * big
+    return tl.where(x < 0, small, big), tl.where(x < 0, big, small)
+
+
 # binary_cross_entropy_with_logits
 
 
@@ -89,20 +105,23 @@ def sigmoid(x):
 def bce_with_logits_value(x, t, w, pw):
     # Each term weighted by its own coefficient: at x = +-inf the term whose
     # coefficient is 0 (the target agrees) is 0 instead of 0 * inf = NaN.
-    loss = loss_product(pw * t, softplus(-x)) + loss_product(1.0 - t, softplus(x))
+    sp_pos, sp_neg = softplus_pair(x)
+    loss = loss_product(pw * t, sp_neg) + loss_product(1.0 - t, sp_pos)
     return loss_product(w, loss)
 
 
 @triton.jit
 def bce_with_logits_grad_input(x, t, w, pw):
-    d = (1.0 - t) * sigmoid(x) - pw * t * sigmoid(-x)
+    sig, sig_neg = sigmoid_pair(x)
+    d = (1.0 - t) * sig - pw * t * sig_neg
     return loss_product(w, d)
 
 
 @triton.jit
 def bce_with_logits_grad_target(x, t, w, pw):
     # A weight pw of 0 contributes 0 against softplus(-x) = inf at x = -inf.
-    d = loss_product(w, loss_product(pw, softplus(-x)) - softplus(x))
+    sp_pos, sp_neg = softplus_pair(x)
+    d = loss_product(w, loss_product(pw, sp_neg) - sp_pos)
     return tl.where(_isnan(t), t, d)  # t is not read, but a NaN target gives NaN
 
 
@@ -228,9 +247,9 @@ def focal_alpha_t(t, alpha):
 def focal_parts(x, t, gamma):
     """(ce, m, m^gamma, sigmoid(x), sigmoid(-x)): m = 1 - p_t from both sigmoids,
     so that it is not 1 - 1 = 0 where it is small; 0^0 = 1 at gamma = 0."""
-    ce = loss_product(t, softplus(-x)) + loss_product(1.0 - t, softplus(x))
-    sig = sigmoid(x)
-    sig_neg = sigmoid(-x)
+    sp_pos, sp_neg = softplus_pair(x)
+    ce = loss_product(t, sp_neg) + loss_product(1.0 - t, sp_pos)
+    sig, sig_neg = sigmoid_pair(x)
     m = sig * (1.0 - t) + sig_neg * t
     return ce, m, _pow_any_base(m, gamma), sig, sig_neg
 

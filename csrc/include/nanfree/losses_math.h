@@ -57,6 +57,35 @@ NF_HOST_DEVICE T sigmoid(T x) {
   return T(1) / (T(1) + nf_exp(T(0) - x));
 }
 
+// softplus(x) and softplus(-x) from one exp and one log1p: both are
+// max(+-x, 0) + log1p(exp(-|x|)).
+template <typename T>
+struct SoftplusPair {
+  T pos;  // softplus(x)
+  T neg;  // softplus(-x)
+};
+
+template <typename T>
+NF_HOST_DEVICE SoftplusPair<T> softplus_pair(T x) {
+  const T l = nf_log1p(nf_exp(T(0) - nf_abs(x)));
+  return SoftplusPair<T>{nf_where(x > T(0), x, T(0)) + l, nf_where(x < T(0), T(0) - x, T(0)) + l};
+}
+
+// sigmoid(x) and sigmoid(-x) from one exp: with e = exp(-|x|) in [0, 1],
+// sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) = e / (1 + e) (0 and 1 at +-inf).
+template <typename T>
+struct SigmoidPair {
+  T pos;  // sigmoid(x)
+  T neg;  // sigmoid(-x)
+};
+
+template <typename T>
+NF_HOST_DEVICE SigmoidPair<T> sigmoid_pair(T x) {
+  const T e = nf_exp(T(0) - nf_abs(x));
+  const T big = T(1) / (T(1) + e), small = e * big;
+  return SigmoidPair<T>{nf_where(x < T(0), small, big), nf_where(x < T(0), big, small)};
+}
+
 // The pointwise losses. Each has a value and its derivatives in the input x
 // (logit, probability or log-probability) and in the target t.
 enum class PointwiseLoss : int {
@@ -86,8 +115,8 @@ struct PointwiseOperands {
 // other is the exact +inf.
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_value(PointwiseOperands<T> o) {
-  const T loss = loss_product(o.pw * o.t, softplus(T(0) - o.x)) +
-                 loss_product(T(1) - o.t, softplus(o.x));
+  const SoftplusPair<T> sp = softplus_pair(o.x);
+  const T loss = loss_product(o.pw * o.t, sp.neg) + loss_product(T(1) - o.t, sp.pos);
   return loss_product(o.w, loss);
 }
 
@@ -95,7 +124,8 @@ NF_HOST_DEVICE T bce_with_logits_value(PointwiseOperands<T> o) {
 // finite at x = +-inf.
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_grad_input(PointwiseOperands<T> o) {
-  const T d = (T(1) - o.t) * sigmoid(o.x) - o.pw * o.t * sigmoid(T(0) - o.x);
+  const SigmoidPair<T> s = sigmoid_pair(o.x);
+  const T d = (T(1) - o.t) * s.pos - o.pw * o.t * s.neg;
   return loss_product(o.w, d);
 }
 
@@ -104,7 +134,8 @@ NF_HOST_DEVICE T bce_with_logits_grad_input(PointwiseOperands<T> o) {
 template <typename T>
 NF_HOST_DEVICE T bce_with_logits_grad_target(PointwiseOperands<T> o) {
   // A weight pw of 0 contributes 0 against softplus(-x) = inf at x = -inf.
-  const T d = loss_product(o.w, loss_product(o.pw, softplus(T(0) - o.x)) - softplus(o.x));
+  const SoftplusPair<T> sp = softplus_pair(o.x);
+  const T d = loss_product(o.w, loss_product(o.pw, sp.neg) - sp.pos);
   // The derivative does not read t; a NaN target still makes it NaN (rule: NaN in, NaN out).
   return nf_where(loss_is_nan(o.t), o.t, d);
 }
@@ -233,9 +264,11 @@ struct FocalParts {
 template <typename T>
 NF_HOST_DEVICE FocalParts<T> focal_parts(T x, T t, T gamma) {
   FocalParts<T> f;
-  f.ce = loss_product(t, softplus(T(0) - x)) + loss_product(T(1) - t, softplus(x));
-  f.sig = sigmoid(x);
-  f.sig_neg = sigmoid(T(0) - x);
+  const SoftplusPair<T> sp = softplus_pair(x);
+  const SigmoidPair<T> s = sigmoid_pair(x);
+  f.ce = loss_product(t, sp.neg) + loss_product(T(1) - t, sp.pos);
+  f.sig = s.pos;
+  f.sig_neg = s.neg;
   f.m = f.sig * (T(1) - t) + f.sig_neg * t;
   f.m_gamma = nf_pow(f.m, gamma);
   return f;
