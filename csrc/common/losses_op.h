@@ -10,18 +10,10 @@
 #include <optional>
 
 #include "common/checks.h"
+#include "common/layout.h"  // broadcasts_to
 #include "nanfree/losses_math.h"
 
 namespace nanfree {
-
-inline bool broadcasts_to(at::IntArrayRef src, at::IntArrayRef dst) {
-  if (src.size() > dst.size()) return false;
-  const size_t lead = dst.size() - src.size();
-  for (size_t d = 0; d < src.size(); ++d) {
-    if (src[d] != 1 && src[d] != dst[lead + d]) return false;
-  }
-  return true;
-}
 
 inline void check_loss_same(const char* op, const char* name, const at::Tensor& ref,
                             const at::Tensor& t) {

@@ -74,7 +74,8 @@ def wrap_dim(op, dim, rank, ndim):
     return dim % rank
 
 
-def _broadcasts_to(src, dst):
+def broadcasts_to(src, dst):
+    """Whether a shape broadcasts to another (torch's rule, trailing dims aligned)."""
     if len(src) > len(dst):
         return False
     lead = len(dst) - len(src)
@@ -89,7 +90,7 @@ def broadcast_mask(op, ref, mask):
         raise TypeError(f"nanfree.{op}: `mask` must be bool or integer (nonzero = keep), "
                         f"got {mask.dtype}")
     check_device(op, "mask", ref, mask)
-    if not _broadcasts_to(mask.shape, ref.shape):
+    if not broadcasts_to(mask.shape, ref.shape):
         raise ValueError(f"nanfree.{op}: `mask` of shape {list(mask.shape)} does not broadcast "
                          f"to the input's shape {list(ref.shape)}")
     keep = mask if mask.dtype == torch.bool else mask != 0

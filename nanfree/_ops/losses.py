@@ -11,7 +11,7 @@ differentiated (double backward through a loss is not implemented)."""
 
 import torch
 
-from .common import acc_dtype, broadcast_mask, check_device, check_float, fake_kernels
+from .common import acc_dtype, broadcast_mask, broadcasts_to, check_device, check_float, fake_kernels
 
 # PointwiseLoss of losses_math.h.
 BCE_WITH_LOGITS, BCE, KL_DIV, KL_DIV_LOG_TARGET, SIGMOID_FOCAL = range(5)
@@ -20,13 +20,6 @@ POINTWISE_NAMES = ("binary_cross_entropy_with_logits", "binary_cross_entropy", "
 CROSS_ENTROPY_STATS = 5  # kCrossEntropyStats
 
 OPS = ("pointwise_loss", "pointwise_loss_backward", "cross_entropy", "cross_entropy_backward")
-
-
-def _broadcasts(src, dst):
-    if len(src) > len(dst):
-        return False
-    lead = len(dst) - len(src)
-    return all(s in (1, dst[lead + d]) for d, s in enumerate(src))
 
 
 def _check_kind(op, kind):
@@ -44,7 +37,7 @@ def _check_same(op, name, ref, t):
 def _check_broadcast_operand(op, name, ref, t):
     if t is None:
         return
-    if t.dtype != ref.dtype or not _broadcasts(t.shape, ref.shape):
+    if t.dtype != ref.dtype or not broadcasts_to(t.shape, ref.shape):
         raise ValueError(f"nanfree.{op}: `{name}` must be of the input's dtype {ref.dtype} and "
                          f"broadcast to its shape {list(ref.shape)}, got {list(t.shape)} {t.dtype}")
     check_device(op, name, ref, t)
@@ -295,7 +288,7 @@ def pointwise_call(op, kind, input, target, weight=None, pos_weight=None, alpha=
     for name, t in (("weight", weight), ("pos_weight", pos_weight)):
         if t is not None:
             check_device(op, name, input, t)
-            if not _broadcasts(t.shape, input.shape):
+            if not broadcasts_to(t.shape, input.shape):
                 raise ValueError(f"nanfree.{op}: `{name}` of shape {list(t.shape)} does not "
                                  f"broadcast to the input's shape {list(input.shape)}")
     check_device(op, "target", input, target)

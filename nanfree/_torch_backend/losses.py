@@ -28,15 +28,6 @@ def loss_product(a, b):
     return _where(zero, 0.0, a * b)
 
 
-def softplus(x):
-    """log(1 + exp(x)) for every x (+inf at +inf, 0 at -inf)."""
-    return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
 def softplus_pair(x):
     """(softplus(x), softplus(-x)) from one exp and one log1p."""
     l = torch.log1p(torch.exp(-x.abs()))

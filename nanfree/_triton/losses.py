@@ -71,18 +71,6 @@ def loss_product(a, b):
 
 
 @triton.jit
-def softplus(x):
-    # max(x, 0) + log1p(exp(-|x|)) neither overflows nor cancels: +inf at +inf, 0 at -inf.
-    return tl.where(x > 0, x, 0.0) + nf_log1p(nf_exp(-tl.abs(x)))
-
-
-@triton.jit
-def sigmoid(x):
-    # exp overflows to inf for x very negative, which gives the limit 0; 1 at +inf.
-    return ieee_div(1.0, 1.0 + nf_exp(-x))
-
-
-@triton.jit
 def softplus_pair(x):
     # (softplus(x), softplus(-x)) from one exp and one log1p.
     l = nf_log1p(nf_exp(-tl.abs(x)))

@@ -43,20 +43,6 @@ NF_HOST_DEVICE T loss_product(T a, T b) {
   return nf_where(((a == T(0)) | (b == T(0))) & (a == a) & (b == b), T(0), a * b);
 }
 
-// log(1 + exp(x)) for every x: max(x, 0) + log1p(exp(-|x|)) neither overflows
-// nor cancels; +inf at +inf, 0 at -inf.
-template <typename T>
-NF_HOST_DEVICE T softplus(T x) {
-  return nf_where(x > T(0), x, T(0)) + nf_log1p(nf_exp(T(0) - nf_abs(x)));
-}
-
-// 1 / (1 + exp(-x)): exp overflows to inf for x very negative, which gives
-// the limit 0; 1 at +inf.
-template <typename T>
-NF_HOST_DEVICE T sigmoid(T x) {
-  return T(1) / (T(1) + nf_exp(T(0) - x));
-}
-
 // softplus(x) and softplus(-x) from one exp and one log1p: both are
 // max(+-x, 0) + log1p(exp(-|x|)).
 template <typename T>
