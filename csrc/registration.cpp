@@ -133,12 +133,18 @@ TORCH_LIBRARY(nanfree, m) {
   // floating dtype, `weight` and `pos_weight` None or of that dtype and
   // broadcasting to the input (read as 1 when None; kinds 2-4 take neither);
   // the output has the input's shape and dtype (contiguous).
+  // pointwise_loss_sum is the sum of that loss over every element (the mean
+  // and sum reductions without the unreduced tensor): a 0-d tensor of the
+  // accumulation dtype (float32; float64 for float64 input).
   // pointwise_loss_backward gives grad * d loss / d input (partial 0) or
   // d / d target (partial 1), saturated to the dtype's range; `grad` of that
   // dtype broadcasts to the input.
   m.def(
       "pointwise_loss(Tensor input, Tensor target, Tensor? weight, Tensor? pos_weight, int kind, "
       "float alpha, float gamma) -> Tensor");
+  m.def(
+      "pointwise_loss_sum(Tensor input, Tensor target, Tensor? weight, Tensor? pos_weight, "
+      "int kind, float alpha, float gamma) -> Tensor");
   m.def(
       "pointwise_loss_backward(Tensor grad, Tensor input, Tensor target, Tensor? weight, "
       "Tensor? pos_weight, int kind, float alpha, float gamma, int partial) -> Tensor");

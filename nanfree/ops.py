@@ -542,8 +542,8 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     """torch.nn.functional.binary_cross_entropy_with_logits; finite at logits of +-inf."""
     op = "binary_cross_entropy_with_logits"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction)
-    loss = _losses.pointwise_call(op, _losses.BCE_WITH_LOGITS, input, target, weight, pos_weight)
-    return _losses.reduce_loss(op, loss, reduction)
+    return _losses.pointwise_call(op, _losses.BCE_WITH_LOGITS, input, target, weight, pos_weight,
+                                  reduction=reduction)
 
 
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None,
@@ -552,8 +552,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     and gradient down to the dtype's smallest probability (no clamp at -100)."""
     op = "binary_cross_entropy"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction)
-    loss = _losses.pointwise_call(op, _losses.BCE, input, target, weight)
-    return _losses.reduce_loss(op, loss, reduction)
+    return _losses.pointwise_call(op, _losses.BCE, input, target, weight, reduction=reduction)
 
 
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
@@ -561,9 +560,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     op = "kl_div"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction, extra=("batchmean",))
     kind = _losses.KL_DIV_LOG_TARGET if log_target else _losses.KL_DIV
-    loss = _losses.pointwise_call(op, kind, input, target, same_shape=False)
-    batch = input.shape[0] if input.dim() else 1
-    return _losses.reduce_loss(op, loss, reduction, batch)
+    return _losses.pointwise_call(op, kind, input, target, same_shape=False, reduction=reduction)
 
 
 def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
@@ -576,9 +573,8 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     check_number(op, "gamma", gamma)
     if not gamma >= 0:
         raise ValueError(f"nanfree.{op}: `gamma` must be >= 0, got {gamma}")
-    loss = _losses.pointwise_call(op, _losses.SIGMOID_FOCAL, inputs, targets, alpha=alpha,
-                                  gamma=gamma, same_shape=False)
-    return _losses.reduce_loss(op, loss, reduction)
+    return _losses.pointwise_call(op, _losses.SIGMOID_FOCAL, inputs, targets, alpha=alpha,
+                                  gamma=gamma, same_shape=False, reduction=reduction)
 
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,

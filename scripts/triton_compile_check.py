@@ -188,18 +188,21 @@ def calls(quick):
                     torch.autograd.grad(getattr(ops, op)(a, b).sum(), inputs)
                 found.append((f"{op} {dtype} {other}", binary_call))
         for loss in ("bce_with_logits", "bce", "kl_div", "kl_div_log", "focal"):
-            def loss_call(loss=loss, dtype=dtype):
-                x = (torch.rand(300) * 0.9 + 0.05).to(dtype).requires_grad_()
-                t = torch.rand(300).to(dtype).requires_grad_()
-                w = torch.rand(300).to(dtype)
-                out = {"bce_with_logits": lambda: ops.binary_cross_entropy_with_logits(
-                           x, t, weight=w[0], pos_weight=w),
-                       "bce": lambda: ops.binary_cross_entropy(x, t, weight=w),
-                       "kl_div": lambda: ops.kl_div(x, t, reduction="batchmean"),
-                       "kl_div_log": lambda: ops.kl_div(x, t, log_target=True),
-                       "focal": lambda: ops.sigmoid_focal_loss(x, t, gamma=0.5, reduction="sum")}[loss]()
-                torch.autograd.grad(out, (x, t))
-            found.append((f"{loss} {dtype}", loss_call))
+            # 'none': the unreduced loss; 'sum': pointwise_loss_sum and a 0-d upstream gradient.
+            for reduction in ("none", "sum"):
+                def loss_call(loss=loss, dtype=dtype, reduction=reduction):
+                    x = (torch.rand(300) * 0.9 + 0.05).to(dtype).requires_grad_()
+                    t = torch.rand(300).to(dtype).requires_grad_()
+                    w = torch.rand(300).to(dtype)
+                    r = {"reduction": reduction}
+                    out = {"bce_with_logits": lambda: ops.binary_cross_entropy_with_logits(
+                               x, t, weight=w[0], pos_weight=w, **r),
+                           "bce": lambda: ops.binary_cross_entropy(x, t, weight=w, **r),
+                           "kl_div": lambda: ops.kl_div(x, t, **r),
+                           "kl_div_log": lambda: ops.kl_div(x, t, log_target=True, **r),
+                           "focal": lambda: ops.sigmoid_focal_loss(x, t, gamma=0.5, **r)}[loss]()
+                    torch.autograd.grad(out.sum(), (x, t))
+                found.append((f"{loss} {dtype} {reduction}", loss_call))
         for n in ([1000] if quick else [5, 40000]):
             for target in ("index", "probabilities"):
                 for inner in (1, 3):

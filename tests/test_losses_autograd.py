@@ -3,7 +3,7 @@ session selects: every reduction, layout and option of torch.nn.functional's
 signatures (weight, pos_weight, ignore_index, label_smoothing, class-index and
 probability targets, [N, C, d1, ...] and unbatched inputs, log_target,
 batchmean, the legacy size_average / reduce), float64 gradcheck, opcheck of
-the four ops, torch.compile(fullgraph=True), double backward refused, the
+the five ops, torch.compile(fullgraph=True), double backward refused, the
 autocast dtypes of torch's, and the nn modules."""
 
 import pytest
@@ -195,8 +195,13 @@ def test_opcheck(device, dtype):
         operand = t if kind != 1 else t.clamp(0.05, 0.95)
         weights = (w, w + 1) if kind == 0 else (None, None)
         opcheck(ops.pointwise_loss, (x if kind != 1 else operand, t, *weights, kind, 0.25, 2.0))
+        opcheck(ops.pointwise_loss_sum, (x if kind != 1 else operand, t, *weights, kind, 0.25, 2.0))
         opcheck(ops.pointwise_loss_backward,
                 (torch.ones_like(x), x if kind != 1 else operand, t, *weights, kind, 0.25, 2.0, 0))
+        # The 'mean' and 'sum' reductions' backward: a 0-d upstream gradient.
+        opcheck(ops.pointwise_loss_backward,
+                (torch.full((), 0.1, dtype=dtype, device=device), x if kind != 1 else operand, t,
+                 *weights, kind, 0.25, 2.0, 1))
     x3 = x.reshape(3, 5, 1)
     y = torch.tensor([[0], [4], [-100]], device=device)
     mask = torch.rand(3, 5, 1, generator=gen).to(device) > 0.2

@@ -98,6 +98,10 @@ def test_op_level_checks(device):
         ops.pointwise_loss(x, x, None, None, 4, 0.25, -1.0)
     with pytest.raises(TypeError, match="nanfree.pointwise_loss: `input` must be float16"):
         ops.pointwise_loss(x.long(), x.long(), None, None, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="nanfree.pointwise_loss_sum: `kind` must be 0 to 4"):
+        ops.pointwise_loss_sum(x, x, None, None, 7, 0.0, 0.0)
+    with pytest.raises(ValueError, match="nanfree.pointwise_loss_sum: `target` must have the"):
+        ops.pointwise_loss_sum(x, x[:2], None, None, 0, 0.0, 0.0)
     with pytest.raises(ValueError, match="nanfree.pointwise_loss_backward: `partial` must be 0"):
         ops.pointwise_loss_backward(x, x, x, None, None, 0, 0.0, 0.0, 2)
     x3 = x.reshape(3, 4, 1)

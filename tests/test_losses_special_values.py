@@ -3,7 +3,9 @@ losses"; docs/losses.md) through nanfree.ops and its autograd, on the backend
 this session selects: every row of tests/losses_oracle.py (value, d/d input,
 d/d target) in every dtype, the cross-entropy rows (-inf and masked classes,
 label smoothing, soft targets, empty rows, +inf and NaN logits), what the
-mean leaves out, the issue's cases verbatim, and NaN kept to its row."""
+mean leaves out, the issue's cases verbatim, NaN kept to its row, and the
+pointwise losses' fused 'mean' and 'sum' (pointwise_loss_sum) against the sum
+of the unreduced losses."""
 
 import math
 
@@ -134,6 +136,71 @@ def test_cross_entropy_mean_leaves_out_empty_rows(device, dtype):
         assert empty.item() == 0.0 and g.eq(0).all()
     ignored = nf.cross_entropy(x.detach()[:1], torch.tensor([-100], device=device))
     assert ignored.item() == 0.0
+
+
+# Two of the CPU kernel's 32768-element chunks and a few more: chunk edges and
+# a vector run's tail are summed once each.
+_SUM_SIZES = (1, 17, 2 * 32768 + 21)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", range(5))
+def test_pointwise_sum_is_the_sum_of_the_losses(device, dtype, kind):
+    """pointwise_loss_sum (the 'mean' and 'sum' reductions) adds the losses each
+    computed in the accumulation dtype, without rounding them to the input's dtype:
+    within a float32 rounding per loss of the float64 sum of the float64 losses at
+    the same inputs; broadcast weights and strided operands included."""
+    gen = torch.Generator().manual_seed(kind)
+    ops = torch.ops.nanfree
+    for n in _SUM_SIZES:
+        x = (torch.randn(n, generator=gen) * 4).to(dtype)
+        t = torch.rand(n, generator=gen).to(dtype)
+        if kind == 1:  # probabilities
+            x = torch.sigmoid(x.float()).clamp(0.01, 0.99).to(dtype)
+        if kind == 2:  # log-probabilities
+            x = -x.abs()
+        cases = [(x, t, None, None)]
+        if kind in (0, 1):
+            w = torch.rand(n, generator=gen).to(dtype)
+            cases.append((x, t, w, None))
+            cases.append((x, t, torch.tensor(0.5, dtype=dtype), None))
+        if kind == 0:
+            cases.append((x, t, None, torch.tensor([3.0], dtype=dtype)))
+        if n > 1:  # strided operands: every other element of twice the length
+            cases.append((torch.stack([x, x]).t().reshape(-1)[::2], t.repeat_interleave(2)[::2],
+                          None, None))
+        for xs, ts, w, pw in cases:
+            args = [a if a is None else a.to(device) for a in (xs, ts, w, pw)]
+            got = ops.pointwise_loss_sum(*args, kind, 0.25, 2.0)
+            assert got.shape == () and got.dtype == (torch.float64 if dtype == torch.float64
+                                                     else torch.float32)
+            wide = [a if a is None else a.double().to(device) for a in (xs, ts, w, pw)]
+            losses = ops.pointwise_loss(*wide, kind, 0.25, 2.0)
+            exact = losses.sum().item()
+            rel = 1e-12 if dtype == torch.float64 else 4 * torch.finfo(torch.float32).eps
+            assert abs(got.item() - exact) <= rel * losses.abs().sum().item() + 1e-300, (
+                f"kind {kind} n {n} {dtype}: {got.item()} vs {exact}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_reductions_keep_nan_and_inf_and_count_nothing_as_zero(device, dtype):
+    """A NaN loss makes the mean NaN and an infinite one infinite (as torch's); the
+    mean over no element is 0, not 0 / 0 (as cross_entropy's), with an empty gradient."""
+    x = torch.tensor([0.5, NAN, -1.0], dtype=dtype, device=device)
+    t = torch.tensor([1.0, 0.0, 0.0], dtype=dtype, device=device)
+    for reduction in ("mean", "sum"):
+        assert math.isnan(nf.binary_cross_entropy_with_logits(x, t, reduction=reduction).item())
+    p = torch.tensor([0.0, 0.5], dtype=dtype, device=device)  # -log(0): +inf
+    assert nf.binary_cross_entropy(p, torch.tensor([1.0, 1.0], dtype=dtype, device=device)).item() == INF
+    empty = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
+    for op in (nf.binary_cross_entropy_with_logits, nf.binary_cross_entropy, nf.kl_div):
+        for reduction in ("mean", "sum"):
+            loss = op(empty, empty.detach(), reduction=reduction)
+            (g,) = torch.autograd.grad(loss, empty)
+            assert loss.item() == 0.0 and loss.dtype == dtype and g.shape == (0,)
+    batchmean = nf.kl_div(torch.empty(0, 3, dtype=dtype, device=device),
+                          torch.empty(0, 3, dtype=dtype, device=device), reduction="batchmean")
+    assert batchmean.item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,8 +1,8 @@
 """The Triton losses launchers (nanfree._triton.losses), called directly, checked
 against the pure-PyTorch backend (nanfree._torch_backend.losses: the same rules
 of csrc/include/nanfree/losses_math.h, mirrored in torch) to float rounding,
-with every infinity, NaN and zero in the same place: pointwise_loss and its
-backward for the five kinds on a grid of special values and on random inputs
+with every infinity, NaN and zero in the same place: pointwise_loss, its sum
+(pointwise_loss_sum) and its backward for the five kinds on a grid of special values and on random inputs
 with every operand layout (absent, one element, broadcast); cross_entropy and
 its backward for class-index and probability targets, label smoothing, class
 weights, masks of any strides, special rows, inner > 1 and class counts that
@@ -85,7 +85,17 @@ def check_pointwise(x, t, w, pw, kind, alpha, gamma, g, what):
     xd, td, wd, pwd, gd = on_device(x, t, w, pw, g)
     out = K.pointwise_loss(xd, td, wd, pwd, kind, alpha, gamma)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
-    assert_close(out, R.pointwise_loss(x, t, w, pw, kind, alpha, gamma), dtype, f"{what} value")
+    want = R.pointwise_loss(x, t, w, pw, kind, alpha, gamma)
+    assert_close(out, want, dtype, f"{what} value")
+    # The sum of the losses (pointwise_loss_sum), in the accumulation dtype: both add
+    # unrounded losses, in a different order.
+    total = K.pointwise_loss_sum(xd, td, wd, pwd, kind, alpha, gamma)
+    want_total = R.pointwise_loss_sum(x, t, w, pw, kind, alpha, gamma)
+    assert total.shape == () and total.dtype == want_total.dtype == acc_dtype(dtype)
+    assert_close(total, want_total, acc_dtype(dtype), f"{what} sum",
+                 scale=R.pointwise_loss(x.double(), t.double(), None if w is None else w.double(),
+                                        None if pw is None else pw.double(), kind, alpha,
+                                        gamma).abs().sum())
     # Sums that cancel (sigmoid(x) - t, pw softplus(-x) - softplus(x)): an allowance
     # on the scale of their terms.
     scale = g.double().abs() * (1 + x.double().abs().clamp(max=100))

@@ -36,8 +36,7 @@ inline void check_loss_broadcast_operand(const char* op, const char* name, const
 inline void check_pointwise_loss(const at::Tensor& input, const at::Tensor& target,
                                  const std::optional<at::Tensor>& weight,
                                  const std::optional<at::Tensor>& pos_weight, int64_t kind,
-                                 double gamma) {
-  const char* op = "pointwise_loss";
+                                 double gamma, const char* op = "pointwise_loss") {
   check_float_input(op, "input", input);
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 4, "nanfree.", op,
                     ": `kind` must be 0 to 4 (PointwiseLoss), got ", kind);

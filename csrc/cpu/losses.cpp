@@ -4,16 +4,22 @@
 // where the run allows, see pointwise_loop). TensorIterator broadcasts
 // weight, pos_weight and grad (a 0-d 1 stands for an absent weight), reads
 // strided operands in place and splits the work over threads; the output is
-// contiguous. The cross-entropy kernels are in losses_cross_entropy.cpp.
+// contiguous. pointwise_loss_sum adds the losses up in the same loop instead
+// of storing them (the mean and sum reductions read the logits once, write
+// nothing of their size). The cross-entropy kernels are in
+// losses_cross_entropy.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cpu/vec_math.h"  // before the headers: their vector primitives
 #include "cpu/vec.h"
@@ -91,23 +97,90 @@ void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d
   });
 }
 
+// pointwise_loss_sum: the losses are summed over fixed chunks of the flat
+// index (the same chunks whatever the thread count, so the total is the same
+// bit for bit), each chunk in double lanes, and the chunks' sums are added in
+// order. Double lanes: a float sum of many losses would lose their low bits
+// and overflow where the mean does not.
+constexpr int64_t kSumChunk = int64_t{1} << 15;
+
+template <PointwiseLoss kind, typename scalar_t>
+double pointwise_sum(at::TensorIteratorBase& iter, double alpha_d, double gamma_d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
+  const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
+  const int64_t n = iter.numel();
+  std::vector<double> chunk_sums((n + kSumChunk - 1) / kSumChunk, 0.0);
+  at::parallel_for(0, static_cast<int64_t>(chunk_sums.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      std::array<double, W> lanes{};
+      double rest = 0.0;
+      iter.serial_for_each(
+          [&](char** data, const int64_t* strides, int64_t m) {
+            bool vector_run = true;
+            for (int k = 0; k < 4; ++k) vector_run = vector_run && (strides[k] == kSize || strides[k] == 0);
+            if (vector_run) {
+              auto load = [&](int k, int64_t j, int64_t count) {
+                const auto* p = reinterpret_cast<const scalar_t*>(data[k]);
+                return strides[k] == 0 ? V(static_cast<acc_t>(*p)) : cpu::load_vec(p + j, count);
+              };
+              const V valpha(alpha), vgamma(gamma);
+              alignas(64) acc_t values[W];
+              for (int64_t i = 0; i < m; i += W) {
+                const int64_t count = std::min<int64_t>(W, m - i);
+                const PointwiseOperands<V> o{load(0, i, count), load(1, i, count),
+                                             load(2, i, count), load(3, i, count)};
+                V r = pointwise_loss_value<kind>(o, valpha, vgamma);
+                // The lanes past the run's end hold the loss of padding: left out.
+                if (count < W) r = V::set(V(acc_t(0)), r, count);
+                r.store(values);
+                for (int64_t k = 0; k < W; ++k) lanes[k] += static_cast<double>(values[k]);
+              }
+              return;
+            }
+            for (int64_t i = 0; i < m; ++i) {
+              const PointwiseOperands<acc_t> o{read<scalar_t>(data[0], strides[0], i),
+                                               read<scalar_t>(data[1], strides[1], i),
+                                               read<scalar_t>(data[2], strides[2], i),
+                                               read<scalar_t>(data[3], strides[3], i)};
+              rest += static_cast<double>(pointwise_loss_value<kind>(o, alpha, gamma));
+            }
+          },
+          {c * kSumChunk, std::min(n, (c + 1) * kSumChunk)});
+      for (int64_t k = 0; k < W; ++k) rest += lanes[k];
+      chunk_sums[c] = rest;
+    }
+  });
+  double total = 0.0;
+  for (const double s : chunk_sums) total += s;
+  return total;
+}
+
+// f(std::integral_constant<PointwiseLoss, kind>) for a runtime kind.
+template <typename F>
+void dispatch_pointwise_kind(int64_t kind, F&& f) {
+  switch (static_cast<PointwiseLoss>(kind)) {
+    case PointwiseLoss::BceWithLogits:
+      return f(std::integral_constant<PointwiseLoss, PointwiseLoss::BceWithLogits>{});
+    case PointwiseLoss::Bce:
+      return f(std::integral_constant<PointwiseLoss, PointwiseLoss::Bce>{});
+    case PointwiseLoss::KlDiv:
+      return f(std::integral_constant<PointwiseLoss, PointwiseLoss::KlDiv>{});
+    case PointwiseLoss::KlDivLogTarget:
+      return f(std::integral_constant<PointwiseLoss, PointwiseLoss::KlDivLogTarget>{});
+    case PointwiseLoss::SigmoidFocal:
+      return f(std::integral_constant<PointwiseLoss, PointwiseLoss::SigmoidFocal>{});
+  }
+}
+
 template <bool kGrad, typename scalar_t>
 void pointwise_by_kind(at::TensorIteratorBase& iter, int64_t kind, double alpha, double gamma,
                        int partial) {
-  switch (static_cast<PointwiseLoss>(kind)) {
-    case PointwiseLoss::BceWithLogits:
-      return pointwise_loop<PointwiseLoss::BceWithLogits, kGrad, scalar_t>(iter, alpha, gamma, partial);
-    case PointwiseLoss::Bce:
-      return pointwise_loop<PointwiseLoss::Bce, kGrad, scalar_t>(iter, alpha, gamma, partial);
-    case PointwiseLoss::KlDiv:
-      return pointwise_loop<PointwiseLoss::KlDiv, kGrad, scalar_t>(iter, alpha, gamma, partial);
-    case PointwiseLoss::KlDivLogTarget:
-      return pointwise_loop<PointwiseLoss::KlDivLogTarget, kGrad, scalar_t>(iter, alpha, gamma,
-                                                                             partial);
-    case PointwiseLoss::SigmoidFocal:
-      return pointwise_loop<PointwiseLoss::SigmoidFocal, kGrad, scalar_t>(iter, alpha, gamma,
-                                                                           partial);
-  }
+  dispatch_pointwise_kind(kind, [&](auto kind_c) {
+    pointwise_loop<decltype(kind_c)::value, kGrad, scalar_t>(iter, alpha, gamma, partial);
+  });
 }
 
 // The iterator's operands, kept alive while it runs (it borrows them).
@@ -115,10 +188,13 @@ struct PointwiseOperandTensors {
   at::Tensor grad, weight, pos_weight;
 };
 
+// The iterator over (out, [grad,] input, target, weight, pos_weight); without
+// `out` (undefined: pointwise_loss_sum) over the inputs alone.
 at::TensorIterator pointwise_iterator(const at::Tensor& out, const at::Tensor& input,
                                       const at::Tensor& target, const PointwiseOperandTensors& o) {
   at::TensorIteratorConfig config;
-  config.add_output(out).check_all_same_dtype(false).resize_outputs(false);
+  config.check_all_same_dtype(false).resize_outputs(false);
+  if (out.defined()) config.add_output(out);
   if (o.grad.defined()) config.add_const_input(o.grad);
   config.add_const_input(input).add_const_input(target).add_const_input(o.weight).add_const_input(
       o.pos_weight);
@@ -147,6 +223,26 @@ at::Tensor pointwise_loss_cpu(const at::Tensor& input, const at::Tensor& target,
   return out;
 }
 
+at::Tensor pointwise_loss_sum_cpu(const at::Tensor& input, const at::Tensor& target,
+                                  const std::optional<at::Tensor>& weight,
+                                  const std::optional<at::Tensor>& pos_weight, int64_t kind,
+                                  double alpha, double gamma) {
+  check_pointwise_loss(input, target, weight, pos_weight, kind, gamma, "pointwise_loss_sum");
+  at::Tensor out = at::zeros({}, input.options().dtype(at::toOpMathType(input.scalar_type())));
+  if (input.numel() == 0) return out;
+  const PointwiseOperandTensors operands = pointwise_operands(std::nullopt, input, weight, pos_weight);
+  at::TensorIterator iter = pointwise_iterator(at::Tensor(), input, target, operands);
+  double total = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_sum",
+                                  [&] {
+    dispatch_pointwise_kind(kind, [&](auto kind_c) {
+      total = pointwise_sum<decltype(kind_c)::value, scalar_t>(iter, alpha, gamma);
+    });
+  });
+  out.fill_(total);
+  return out;
+}
+
 at::Tensor pointwise_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& input,
                                        const at::Tensor& target,
                                        const std::optional<at::Tensor>& weight,
@@ -168,6 +264,7 @@ at::Tensor pointwise_loss_backward_cpu(const at::Tensor& grad, const at::Tensor&
 
 TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
   m.impl("pointwise_loss", &pointwise_loss_cpu);
+  m.impl("pointwise_loss_sum", &pointwise_loss_sum_cpu);
   m.impl("pointwise_loss_backward", &pointwise_loss_backward_cpu);
 }
 

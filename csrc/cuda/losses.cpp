@@ -1,5 +1,6 @@
-// CUDA registration of the losses family (pointwise_loss, pointwise_loss_backward,
-// cross_entropy and cross_entropy_backward of registration.cpp). The argument
+// CUDA registration of the losses family (pointwise_loss, pointwise_loss_sum,
+// pointwise_loss_backward, cross_entropy and cross_entropy_backward of
+// registration.cpp). The argument
 // checks are shared with the CPU binding (csrc/common/losses_op.h); the
 // kernels live in the torch-free losses_kernels.cu behind the launchers of
 // losses_kernels.h, which read contiguous operands: input and target are made
@@ -9,6 +10,7 @@
 // CPU kernels' are.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -69,6 +71,33 @@ at::Tensor pointwise_loss(const at::Tensor& input_arg, const at::Tensor& target_
         stream));
   });
   return out;
+}
+
+at::Tensor pointwise_loss_sum(const at::Tensor& input_arg, const at::Tensor& target_arg,
+                              const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& pos_weight, int64_t kind,
+                              double alpha, double gamma) {
+  const c10::OptionalDeviceGuard device_guard(input_arg.device());  // as in pointwise_loss
+  check_pointwise_loss(input_arg, target_arg, weight, pos_weight, kind, gamma,
+                       "pointwise_loss_sum");
+  const auto acc = at::toOpMathType(input_arg.scalar_type());
+  if (input_arg.numel() == 0) return at::zeros({}, input_arg.options().dtype(acc));
+  const at::Tensor input = input_arg.contiguous(), target = target_arg.contiguous();
+  const FlatOperand w = flat_operand(weight, input), pw = flat_operand(pos_weight, input);
+  // One double per block of the kernel, added here.
+  at::Tensor partials = at::empty({gpu::pointwise_loss_sum_partials(input.numel())},
+                                  input.options().dtype(at::kDouble));
+  const cudaStream_t stream = current_cuda_stream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+                                  "nanfree_pointwise_loss_sum_cuda", [&] {
+    using acc_t = gpu::acc_of_t<device_t<scalar_t>>;
+    NANFREE_CUDA_CHECK(gpu::pointwise_loss_sum(
+        static_cast<PointwiseLoss>(kind), device_ptr<scalar_t>(input), device_ptr<scalar_t>(target),
+        loss_operand<scalar_t>(w), loss_operand<scalar_t>(pw), input.numel(),
+        static_cast<acc_t>(alpha), static_cast<acc_t>(gamma), partials.mutable_data_ptr<double>(),
+        stream));
+  });
+  return partials.sum().to(acc);
 }
 
 at::Tensor pointwise_loss_backward(const at::Tensor& grad, const at::Tensor& input_arg,
@@ -195,6 +224,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(
 
 TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   m.impl("pointwise_loss", &pointwise_loss);
+  m.impl("pointwise_loss_sum", &pointwise_loss_sum);
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("cross_entropy", &cross_entropy);
   m.impl("cross_entropy_backward", &cross_entropy_backward);

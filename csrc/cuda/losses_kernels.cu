@@ -73,19 +73,18 @@ __device__ __forceinline__ void load_operand(LossOperand<scalar_t> op, int64_t j
   }
 }
 
-// Elements j .. j + N - 1: the loss value (kGrad false) or grad times one
-// partial derivative, saturated to scalar_t's range.
+// Elements j .. j + N - 1 into ys: the loss value (kGrad false) or grad times
+// one partial derivative, saturated to scalar_t's range.
 template <PointwiseLoss kind, bool kGrad, int N, typename scalar_t>
-__device__ __forceinline__ void pointwise_elements(LossOperand<scalar_t> grad,
-                                                   const scalar_t* __restrict__ x,
-                                                   const scalar_t* __restrict__ t,
-                                                   LossOperand<scalar_t> w,
-                                                   LossOperand<scalar_t> pw, int64_t j,
-                                                   acc_of_t<scalar_t> alpha,
-                                                   acc_of_t<scalar_t> gamma, int partial,
-                                                   scalar_t* __restrict__ out) {
+__device__ __forceinline__ void pointwise_values(LossOperand<scalar_t> grad,
+                                                 const scalar_t* __restrict__ x,
+                                                 const scalar_t* __restrict__ t,
+                                                 LossOperand<scalar_t> w, LossOperand<scalar_t> pw,
+                                                 int64_t j, acc_of_t<scalar_t> alpha,
+                                                 acc_of_t<scalar_t> gamma, int partial,
+                                                 acc_of_t<scalar_t> (&ys)[N]) {
   using acc_t = acc_of_t<scalar_t>;
-  acc_t xs[N], ts[N], ws[N], pws[N], ys[N];
+  acc_t xs[N], ts[N], ws[N], pws[N];
   load_acc<N>(x + j, xs);
   load_acc<N>(t + j, ts);
   load_operand<N>(w, j, ws);
@@ -106,6 +105,20 @@ __device__ __forceinline__ void pointwise_elements(LossOperand<scalar_t> grad,
       ys[k] = pointwise_loss_value<kind>(o, alpha, gamma);
     }
   }
+}
+
+// pointwise_values of elements j .. j + N - 1, stored at out + j.
+template <PointwiseLoss kind, bool kGrad, int N, typename scalar_t>
+__device__ __forceinline__ void pointwise_elements(LossOperand<scalar_t> grad,
+                                                   const scalar_t* __restrict__ x,
+                                                   const scalar_t* __restrict__ t,
+                                                   LossOperand<scalar_t> w,
+                                                   LossOperand<scalar_t> pw, int64_t j,
+                                                   acc_of_t<scalar_t> alpha,
+                                                   acc_of_t<scalar_t> gamma, int partial,
+                                                   scalar_t* __restrict__ out) {
+  acc_of_t<scalar_t> ys[N];
+  pointwise_values<kind, kGrad, N>(grad, x, t, w, pw, j, alpha, gamma, partial, ys);
   store_acc<N>(out + j, ys);
 }
 
@@ -127,6 +140,41 @@ __global__ void __launch_bounds__(kFlatThreads)
     const int64_t j = nvec * kVec + first;
     if (j < n) pointwise_elements<kind, kGrad, 1>(grad, x, t, w, pw, j, alpha, gamma, partial, out);
   }
+}
+
+// The sum of the losses of elements [0, n), as pointwise_loss_kernel visits
+// them: each thread adds its values in double (a float sum of many losses
+// would lose their low bits, and overflow where the mean does not), the
+// block's threads' sums are added by group_reduce, and block b writes its sum
+// to partials[b].
+template <PointwiseLoss kind, int kVec, typename scalar_t>
+__global__ void __launch_bounds__(kFlatThreads)
+    pointwise_loss_sum_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ t,
+                              LossOperand<scalar_t> w, LossOperand<scalar_t> pw, int64_t n,
+                              acc_of_t<scalar_t> alpha, acc_of_t<scalar_t> gamma,
+                              double* __restrict__ partials) {
+  __shared__ double partial[kMaxWarps];
+  const LossOperand<scalar_t> no_grad{nullptr, 0};
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t nvec = n / kVec;
+  double sum[1] = {0.0};
+  for (int64_t vi = first; vi < nvec; vi += stride) {
+    acc_of_t<scalar_t> ys[kVec];
+    pointwise_values<kind, false, kVec>(no_grad, x, t, w, pw, vi * kVec, alpha, gamma, 0, ys);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sum[0] += static_cast<double>(ys[k]);
+  }
+  if constexpr (kVec > 1) {
+    const int64_t j = nvec * kVec + first;
+    if (j < n) {
+      acc_of_t<scalar_t> ys[1];
+      pointwise_values<kind, false, 1>(no_grad, x, t, w, pw, j, alpha, gamma, 0, ys);
+      sum[0] += static_cast<double>(ys[0]);
+    }
+  }
+  group_reduce<1>(sum, kFlatThreads, partial, SumOp());
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum[0];
 }
 
 // Whether an operand allows 16-byte vector accesses: absent, one element, or aligned.
@@ -394,6 +442,31 @@ cudaError_t pointwise_loss_forward(PointwiseLoss kind, const scalar_t* input,
                                    scalar_t* out, cudaStream_t stream) {
   return launch_pointwise<false>(kind, LossOperand<scalar_t>{nullptr, 0}, input, target, weight,
                                  pos_weight, n, alpha, gamma, 0, out, stream);
+}
+
+int64_t pointwise_loss_sum_partials(int64_t n) {
+  // A few vectors per thread at least; a grid-stride loop covers the rest.
+  const int64_t blocks = ceil_div(n, int64_t{4} * kFlatThreads);
+  return blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+template <typename scalar_t>
+cudaError_t pointwise_loss_sum(PointwiseLoss kind, const scalar_t* input, const scalar_t* target,
+                               LossOperand<scalar_t> weight, LossOperand<scalar_t> pos_weight,
+                               int64_t n, acc_of_t<scalar_t> alpha, acc_of_t<scalar_t> gamma,
+                               double* partials, cudaStream_t stream) {
+  constexpr int kWidth = vec_width<scalar_t>();
+  const bool vec = n >= kWidth && aligned16(input) && aligned16(target) &&
+                   operand_aligned(weight) && operand_aligned(pos_weight);
+  const int64_t blocks = pointwise_loss_sum_partials(n);
+  return dispatch_kind(kind, [&](auto kind_c) {
+    return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
+      constexpr int kVec = decltype(vec_c)::value;
+      return launch(pointwise_loss_sum_kernel<decltype(kind_c)::value, kVec, scalar_t>, blocks,
+                    kFlatThreads, stream, input, target, weight, pos_weight, n, alpha, gamma,
+                    partials);
+    });
+  });
 }
 
 template <typename scalar_t>

@@ -43,6 +43,19 @@ cudaError_t pointwise_loss_forward(PointwiseLoss kind, const scalar_t* input,
                                    acc_of_t<scalar_t> alpha, acc_of_t<scalar_t> gamma,
                                    scalar_t* out, cudaStream_t stream);
 
+// The number of partial sums pointwise_loss_sum writes for n elements (one
+// per block of its launch, at least 1).
+int64_t pointwise_loss_sum_partials(int64_t n);
+
+// partials[b] = the sum, in double, of pointwise_loss_value<kind> over the
+// elements block b visits; partials holds pointwise_loss_sum_partials(n)
+// entries, whose sum (in any order) is the loss summed over n elements.
+template <typename scalar_t>
+cudaError_t pointwise_loss_sum(PointwiseLoss kind, const scalar_t* input, const scalar_t* target,
+                               LossOperand<scalar_t> weight, LossOperand<scalar_t> pos_weight,
+                               int64_t n, acc_of_t<scalar_t> alpha, acc_of_t<scalar_t> gamma,
+                               double* partials, cudaStream_t stream);
+
 // out[j] = loss_chain_rule(grad[j], pointwise_loss_grad<kind>(..., partial),
 // scalar_t's largest finite value): partial 0 is d / d input, 1 d / d target.
 template <typename scalar_t>
@@ -91,6 +104,9 @@ cudaError_t cross_entropy_backward(CrossEntropyProblem<scalar_t> problem,
   PREFIX template cudaError_t pointwise_loss_forward<T>(                                        \
       PointwiseLoss, const T*, const T*, LossOperand<T>, LossOperand<T>, int64_t, acc_of_t<T>,  \
       acc_of_t<T>, T*, cudaStream_t);                                                           \
+  PREFIX template cudaError_t pointwise_loss_sum<T>(                                            \
+      PointwiseLoss, const T*, const T*, LossOperand<T>, LossOperand<T>, int64_t, acc_of_t<T>,  \
+      acc_of_t<T>, double*, cudaStream_t);                                                      \
   PREFIX template cudaError_t pointwise_loss_backward<T>(                                       \
       PointwiseLoss, LossOperand<T>, const T*, const T*, LossOperand<T>, LossOperand<T>,        \
       int64_t, acc_of_t<T>, acc_of_t<T>, int, T*, cudaStream_t);                                \

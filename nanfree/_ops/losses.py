@@ -1,6 +1,6 @@
 """The losses family's Python side (pointwise_loss: binary_cross_entropy_with_logits,
-binary_cross_entropy, kl_div, sigmoid_focal_loss; cross_entropy; and their
-backward ops): the op-level argument checks of the Python backends and fake
+binary_cross_entropy, kl_div, sigmoid_focal_loss; pointwise_loss_sum, their
+'mean' and 'sum' reductions; cross_entropy; and their backward ops): the op-level argument checks of the Python backends and fake
 kernels (the same errors, words and exception types as csrc/common/losses_op.h),
 the fakes, and the autograd.
 
@@ -19,7 +19,8 @@ POINTWISE_NAMES = ("binary_cross_entropy_with_logits", "binary_cross_entropy", "
                    "sigmoid_focal_loss")
 CROSS_ENTROPY_STATS = 5  # kCrossEntropyStats
 
-OPS = ("pointwise_loss", "pointwise_loss_backward", "cross_entropy", "cross_entropy_backward")
+OPS = ("pointwise_loss", "pointwise_loss_sum", "pointwise_loss_backward", "cross_entropy",
+       "cross_entropy_backward")
 
 
 def _check_kind(op, kind):
@@ -43,8 +44,8 @@ def _check_broadcast_operand(op, name, ref, t):
     check_device(op, name, ref, t)
 
 
-def check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
-    op = "pointwise_loss"
+def check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma,
+                         op="pointwise_loss"):
     check_float(op, "input", input)
     _check_kind(op, kind)
     _check_same(op, "target", input, target)
@@ -118,6 +119,12 @@ def _fake_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
     return input.new_empty(input.shape)
 
 
+def _fake_pointwise_loss_sum(input, target, weight, pos_weight, kind, alpha, gamma):
+    check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma,
+                         "pointwise_loss_sum")
+    return input.new_empty((), dtype=acc_dtype(input.dtype))
+
+
 def _fake_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha, gamma,
                                   partial):
     check_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha, gamma,
@@ -163,6 +170,14 @@ def _backward_pointwise(ctx, grad):
     return tuple(grads)
 
 
+def _backward_pointwise_sum(ctx, grad):
+    # d sum / d loss_i = 1: the upstream gradient, in the input's dtype (as torch's
+    # mean and sum backward give it), broadcast by the backward op itself (0-d: no
+    # tensor of the input's size is formed for it).
+    input = ctx.saved_tensors[0]
+    return _backward_pointwise(ctx, grad.to(input.dtype))
+
+
 def _setup_cross_entropy(ctx, inputs, output):
     input, target, weight, mask, ignore_index, label_smoothing = inputs
     ctx.save_for_backward(input, target, weight, mask, output[1])
@@ -195,10 +210,13 @@ def _refusing_backward(op):
 
 def register():
     fake_kernels([("pointwise_loss", _fake_pointwise_loss),
+                  ("pointwise_loss_sum", _fake_pointwise_loss_sum),
                   ("pointwise_loss_backward", _fake_pointwise_loss_backward),
                   ("cross_entropy", _fake_cross_entropy),
                   ("cross_entropy_backward", _fake_cross_entropy_backward)])
     torch.library.register_autograd("nanfree::pointwise_loss", _backward_pointwise,
+                                    setup_context=_setup_pointwise)
+    torch.library.register_autograd("nanfree::pointwise_loss_sum", _backward_pointwise_sum,
                                     setup_context=_setup_pointwise)
     torch.library.register_autograd("nanfree::cross_entropy", _backward_cross_entropy,
                                     setup_context=_setup_cross_entropy)
@@ -249,23 +267,17 @@ def _floating(op, name, t):
         raise TypeError(f"nanfree.{op}: complex `{name}` is not supported (got {t.dtype})")
 
 
-def reduce_loss(op, loss, reduction, batch=None):
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "batchmean":
-        return loss.sum() / batch if loss.dim() else loss.sum()
-    return loss.mean()
-
-
 def pointwise_call(op, kind, input, target, weight=None, pos_weight=None, alpha=0.0, gamma=0.0,
-                   same_shape=True):
-    """The unreduced loss of a pointwise kind: torch's type promotion over input,
-    target, weight and pos_weight; target broadcast with the input (or of its
-    shape where torch requires it); weight and pos_weight broadcast to it."""
+                   same_shape=True, reduction="none"):
+    """The loss of a pointwise kind, reduced as `reduction` says ('batchmean':
+    the sum over the input's first size, as kl_div's): torch's type promotion over input, target, weight and
+    pos_weight; target broadcast with the input (or of its shape where torch
+    requires it); weight and pos_weight broadcast to it. 'mean', 'sum' and
+    'batchmean' go through pointwise_loss_sum, which never forms the unreduced
+    loss."""
     for name, t in (("input", input), ("target", target)):
         _floating(op, name, t)
+    batch = input.shape[0] if input.dim() else 1
     for name, t in (("weight", weight), ("pos_weight", pos_weight)):
         if t is not None:
             _floating(op, name, t)
@@ -294,8 +306,15 @@ def pointwise_call(op, kind, input, target, weight=None, pos_weight=None, alpha=
     check_device(op, "target", input, target)
     weight = None if weight is None else weight.to(dtype)
     pos_weight = None if pos_weight is None else pos_weight.to(dtype)
-    return torch.ops.nanfree.pointwise_loss(input, target, weight, pos_weight, kind,
-                                            float(alpha), float(gamma))
+    args = (input, target, weight, pos_weight, kind, float(alpha), float(gamma))
+    if reduction == "none":
+        return torch.ops.nanfree.pointwise_loss(*args)
+    total = torch.ops.nanfree.pointwise_loss_sum(*args)
+    count = {"sum": 1, "mean": input.numel(), "batchmean": batch}[reduction]
+    # A mean over nothing is 0 (as cross_entropy's), not 0 / 0.
+    if count > 1:
+        total = total / count
+    return total.to(dtype)
 
 
 def _class_dim_layout(op, input, target):

@@ -213,6 +213,16 @@ def pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
     return value.expand(input.shape).to(input.dtype).contiguous()
 
 
+def pointwise_loss_sum(input, target, weight, pos_weight, kind, alpha, gamma):
+    _losses.check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma,
+                                 "pointwise_loss_sum")
+    x, t, w, pw = _operands(input, target, weight, pos_weight)
+    value = POINTWISE[kind][0](x, t, w, pw, alpha, gamma)
+    # Summed in float64 where the device has it, as the CPU kernel sums (in double lanes).
+    wide = torch.float64 if input.device.type in ("cpu", "cuda") else value.dtype
+    return value.expand(input.shape).sum(dtype=wide).to(acc_dtype(input.dtype))
+
+
 def pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha, gamma, partial):
     _losses.check_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha,
                                           gamma, partial)

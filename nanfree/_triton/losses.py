@@ -357,8 +357,10 @@ def _operand(ptr, offs, inside, ACC: tl.constexpr, PRESENT: tl.constexpr):
 def _pointwise_kernel(grad_ptr, grad_step, x_ptr, t_ptr, w_ptr, w_step, pw_ptr, pw_step, out_ptr,
                       n, alpha: tl.float64, gamma: tl.float64, KIND: tl.constexpr,
                       BACKWARD: tl.constexpr, PARTIAL: tl.constexpr, HAS_W: tl.constexpr,
-                      HAS_PW: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """The loss (BACKWARD false), or grad times its partial PARTIAL, of each element."""
+                      HAS_PW: tl.constexpr, SUM: tl.constexpr, ACC: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """The loss (BACKWARD false), or grad times its partial PARTIAL, of each element;
+    with SUM the sum of the block's losses instead, at out_ptr[program]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     a = tl.full([], alpha, tl.float64).to(ACC)
@@ -373,7 +375,13 @@ def _pointwise_kernel(grad_ptr, grad_step, x_ptr, t_ptr, w_ptr, w_step, pw_ptr, 
         y = loss_chain_rule(g, d, largest_finite(out_ptr))
     else:
         y = pointwise_loss_value(x, t, w, pw, a, gm, KIND)
-    store_rounded(out_ptr, offs, y.to(ACC), inside)
+    if SUM:
+        # The lanes past n hold the loss of padding: left out. Added in float64 (as the
+        # CPU and CUDA kernels add): a float32 sum would lose the losses' low bits.
+        total = tl.sum(tl.where(inside, y.to(ACC), 0.0).to(tl.float64), axis=0)
+        tl.store(out_ptr + tl.program_id(0), total)
+    else:
+        store_rounded(out_ptr, offs, y.to(ACC), inside)
 
 
 # --- cross_entropy: losses_math.h, by name ----------------------------------------------
@@ -658,11 +666,15 @@ def _flat_operand(t, input):
     return t.expand(input.shape).contiguous(), 1
 
 
-def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, partial):
+def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, partial,
+               summed=False):
     _check_runnable(op, input)
     x, t = input.contiguous(), target.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n = out.numel()
+    n = x.numel()
+    blocks = triton.cdiv(n, _BLOCK)
+    # summed: one partial sum per program, in float64.
+    out = (torch.empty(blocks, dtype=torch.float64, device=x.device) if summed else
+           torch.empty(x.shape, dtype=x.dtype, device=x.device))
     if n == 0:
         return out
     # Only binary_cross_entropy(_with_logits) reads weight, only the latter pos_weight
@@ -675,10 +687,10 @@ def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, 
     pw, pw_step = _flat_operand(pos_weight, x)
     g, g_step = _flat_operand(grad, x)
     with device_guard(x):
-        _pointwise_kernel[(triton.cdiv(n, _BLOCK),)](
+        _pointwise_kernel[(blocks,)](
             g, g_step, x, t, w, w_step, pw, pw_step, out, n, float(alpha), float(gamma),
             KIND=int(kind), BACKWARD=grad is not None, PARTIAL=int(partial),
-            HAS_W=weight is not None, HAS_PW=pos_weight is not None,
+            HAS_W=weight is not None, HAS_PW=pos_weight is not None, SUM=summed,
             ACC=_TL_ACC[acc_dtype(x.dtype)], BLOCK=_BLOCK)
     return out
 
@@ -688,6 +700,16 @@ def pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
     _losses.check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma)
     return _pointwise("pointwise_loss", None, input, target, weight, pos_weight, kind, alpha,
                       gamma, 0)
+
+
+def pointwise_loss_sum(input, target, weight, pos_weight, kind, alpha, gamma):
+    """The sum of the loss over every element, 0-d in the accumulation dtype: the
+    programs' float64 partial sums added in order."""
+    _losses.check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma,
+                                 "pointwise_loss_sum")
+    partials = _pointwise("pointwise_loss_sum", None, input, target, weight, pos_weight, kind,
+                          alpha, gamma, 0, summed=True)
+    return partials.sum().to(acc_dtype(input.dtype))
 
 
 def pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha, gamma, partial):
