@@ -19,14 +19,19 @@ sys.path.insert(0, HERE)
 
 from bench_common import geomean  # noqa: E402
 
-FAMILIES = ("softmax", "cosine", "gem", "mnr")
-# Sections that time something other than one forward+backward of an op's cases.
-SKIPPED_SECTIONS = {"latency", "memory"}
+FAMILIES = ("softmax", "cosine", "gem", "mnr", "elementwise", "losses")
+# Sections that time something other than one forward+backward of an op's cases
+# (elementwise's "distance": a compiled block using sqrt, not the op against torch's).
+SKIPPED_SECTIONS = {"latency", "memory", "distance"}
+LOSS_NAMES = {"bce_logits": "binary_cross_entropy_with_logits", "focal": "sigmoid_focal_loss",
+              "ce smoothed": "cross_entropy (smoothing, mask)"}
 
 
 def case_label(family, row):
     """The bar a CSV row counts towards: the op (or layout) and its variant."""
     name = row.get("op") or row.get("layout") or {"mnr": "mnr_loss"}.get(family, family)
+    if family == "losses":
+        name = LOSS_NAMES.get(name, name)
     if family == "gem":
         name = {"images": "gem_pool2d", "tokens": "gem (tokens, masked)",
                 "images p=3.0": "gem_pool2d (p a Python float)"}.get(name, name)
