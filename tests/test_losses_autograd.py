@@ -184,6 +184,22 @@ def test_gradcheck(device, device_dtype):
         lambda a, b: nf.cross_entropy(a, b, weight=w, label_smoothing=0.1), (x, t))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_upstream_gradient(device, dtype):
+    """An upstream gradient that is one element broadcast (autograd's expand in the
+    backward of loss.sum()) gives what the same gradient written out gives."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(5, 7, generator=gen) * 3).to(device, dtype).requires_grad_()
+    t = torch.rand(5, 7, generator=gen).to(device, dtype)
+    for loss_of in (lambda a: nf.binary_cross_entropy_with_logits(a, t, reduction="none"),
+                    lambda a: nf.kl_div(-a.abs(), t, reduction="none"),
+                    lambda a: nf.sigmoid_focal_loss(a, t)):
+        loss = loss_of(x)
+        (broadcast,) = torch.autograd.grad(loss.sum() * 3, x)
+        (written,) = torch.autograd.grad(loss_of(x), x, torch.full_like(loss, 3))
+        assert torch.equal(broadcast, written)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(device, dtype):
     gen = torch.Generator().manual_seed(8)

@@ -214,6 +214,10 @@ def test_pointwise_operand_layouts():
     x = randn(6, 11, dtype=f32, seed=10, scale=3.0)
     t = rand(6, 11, dtype=f32, seed=11)
     for w, pw, g in [(torch.tensor([[0.7]]), torch.tensor([2.5]), torch.tensor(0.5)),
+                     # one element broadcast (every stride 0), as autograd expands a
+                     # reduction's gradient: read in place
+                     (torch.tensor(0.3).expand(6, 11), torch.tensor([1.5]).expand(11),
+                      torch.tensor(-0.25).expand(6, 11)),
                      (rand(6, 1, dtype=f32, seed=12), None, randn(1, 11, dtype=f32, seed=13)),
                      (None, rand(11, dtype=f32, seed=14), randn(6, 11, dtype=f32, seed=15))]:
         check_pointwise(x, t, w, pw, 0, 0.0, 0.0, g, "layouts")

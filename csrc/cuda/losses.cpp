@@ -4,8 +4,9 @@
 // checks are shared with the CPU binding (csrc/common/losses_op.h); the
 // kernels live in the torch-free losses_kernels.cu behind the launchers of
 // losses_kernels.h, which read contiguous operands: input and target are made
-// contiguous here, an optional weight, pos_weight or grad of one element is
-// passed as it is (read for every position) and any other is copied,
+// contiguous here, an optional weight, pos_weight or grad of one element (or
+// one element broadcast, every stride 0) is passed as it is (read for every
+// position) and any other is copied,
 // broadcast, into the input's contiguous shape. Outputs are contiguous, as the
 // CPU kernels' are.
 #include <ATen/ATen.h>
@@ -38,7 +39,11 @@ struct FlatOperand {
 
 FlatOperand flat_operand(const std::optional<at::Tensor>& t, const at::Tensor& input) {
   if (!t.has_value()) return {at::Tensor(), 0};
-  if (t->numel() == 1) return {*t, 0};
+  // One element, or one element broadcast (every stride 0: a reduction's
+  // upstream gradient expanded by autograd): read in place, not copied out.
+  bool one_element = true;
+  for (int64_t d = 0; d < t->dim(); ++d) one_element = one_element && (t->size(d) == 1 || t->stride(d) == 0);
+  if (one_element) return {*t, 0};
   return {t->expand(input.sizes()).contiguous(), 1};
 }
 

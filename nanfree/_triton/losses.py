@@ -657,11 +657,13 @@ _check_runnable = KERNELS.check_runnable
 
 
 def _flat_operand(t, input):
-    """(tensor, step) as the pointwise kernel reads t: step 0 for one element, else
-    a contiguous copy expanded to the input's shape; None (absent) as (input, 0)."""
+    """(tensor, step) as the pointwise kernel reads t: step 0 for one element or one
+    element broadcast (every stride 0: a reduction's upstream gradient expanded by
+    autograd), read in place; else a contiguous copy expanded to the input's shape;
+    None (absent) as (input, 0)."""
     if t is None:
         return input, 0
-    if t.numel() == 1:
+    if all(size == 1 or stride == 0 for size, stride in zip(t.shape, t.stride())):
         return t, 0
     return t.expand(input.shape).contiguous(), 1
 
