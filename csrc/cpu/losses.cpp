@@ -38,12 +38,45 @@ at::opmath_type<scalar_t> read(const char* base, int64_t stride, int64_t i) {
       *reinterpret_cast<const scalar_t*>(base + i * stride));
 }
 
+// The operands of one iterator run from data[first] on (x, t, w, pw; grad at
+// first - 1 where there is one), read as the loops below read them: in
+// vectors where every one of them is contiguous or broadcast (stride 0: a
+// scalar weight, a pos_weight row against a matrix, the mean's upstream
+// gradient), float16 and bfloat16 widened to float; else element by element.
+template <typename scalar_t, int first>
+struct RunOperands {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  static constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
+  char** data;
+  const int64_t* strides;
+
+  // Whether tensors [begin, first + 4) are contiguous or broadcast.
+  bool vectors_from(int begin) const {
+    for (int k = begin; k < first + 4; ++k) {
+      if (strides[k] != kSize && strides[k] != 0) return false;
+    }
+    return true;
+  }
+  V vector(int k, int64_t i, int64_t count) const {
+    const auto* p = reinterpret_cast<const scalar_t*>(data[k]);
+    return strides[k] == 0 ? V(static_cast<acc_t>(*p)) : cpu::load_vec(p + i, count);
+  }
+  PointwiseOperands<V> vectors(int64_t i, int64_t count) const {
+    return {vector(first, i, count), vector(first + 1, i, count), vector(first + 2, i, count),
+            vector(first + 3, i, count)};
+  }
+  acc_t element(int k, int64_t i) const { return read<scalar_t>(data[k], strides[k], i); }
+  PointwiseOperands<acc_t> elements(int64_t i) const {
+    return {element(first, i), element(first + 1, i), element(first + 2, i),
+            element(first + 3, i)};
+  }
+};
+
 // Operands (out, [grad,] x, t, w, pw): the loss value, or grad times one
 // partial. A run whose output is contiguous and whose inputs are contiguous or
-// broadcast (stride 0: a scalar weight, a pos_weight row against a matrix, the
-// mean's upstream gradient) goes through the header's functions instantiated
-// with ATen's vectors (Sleef's exp, log1p, pow), float16 and bfloat16 widened
-// to float; other runs element by element.
+// broadcast goes through the header's functions instantiated with ATen's
+// vectors (Sleef's exp, log1p, pow); other runs element by element.
 template <PointwiseLoss kind, bool kGrad, typename scalar_t>
 void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d, int partial) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -53,26 +86,18 @@ void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d
   const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
   const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
   constexpr int first = kGrad ? 2 : 1;
-  constexpr int tensors = first + 4;
   iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
-    bool vector_run = strides[0] == kSize;
-    for (int k = 1; k < tensors; ++k) vector_run = vector_run && (strides[k] == kSize || strides[k] == 0);
-    int64_t i = 0;
-    if (vector_run) {
-      auto load = [&](int k, int64_t j, int64_t count) {
-        const auto* p = reinterpret_cast<const scalar_t*>(data[k]);
-        return strides[k] == 0 ? V(static_cast<acc_t>(*p)) : cpu::load_vec(p + j, count);
-      };
+    const RunOperands<scalar_t, first> run{data, strides};
+    if (strides[0] == kSize && run.vectors_from(1)) {
       const V valpha(alpha), vgamma(gamma), vbound(bound);
       auto* out = reinterpret_cast<scalar_t*>(data[0]);
-      for (; i < n; i += W) {
+      for (int64_t i = 0; i < n; i += W) {
         const int64_t count = std::min<int64_t>(W, n - i);
-        const PointwiseOperands<V> o{load(first, i, count), load(first + 1, i, count),
-                                     load(first + 2, i, count), load(first + 3, i, count)};
+        const PointwiseOperands<V> o = run.vectors(i, count);
         V r;
         if constexpr (kGrad) {
-          r = loss_chain_rule(load(1, i, count), pointwise_loss_grad<kind>(o, valpha, vgamma, partial),
-                              vbound);
+          r = loss_chain_rule(run.vector(1, i, count),
+                              pointwise_loss_grad<kind>(o, valpha, vgamma, partial), vbound);
         } else {
           r = pointwise_loss_value<kind>(o, valpha, vgamma);
         }
@@ -80,15 +105,12 @@ void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d
       }
       return;
     }
-    for (; i < n; ++i) {
-      const PointwiseOperands<acc_t> o{read<scalar_t>(data[first], strides[first], i),
-                                       read<scalar_t>(data[first + 1], strides[first + 1], i),
-                                       read<scalar_t>(data[first + 2], strides[first + 2], i),
-                                       read<scalar_t>(data[first + 3], strides[first + 3], i)};
+    for (int64_t i = 0; i < n; ++i) {
+      const PointwiseOperands<acc_t> o = run.elements(i);
       acc_t r;
       if constexpr (kGrad) {
-        const acc_t g = read<scalar_t>(data[1], strides[1], i);
-        r = loss_chain_rule(g, pointwise_loss_grad<kind>(o, alpha, gamma, partial), bound);
+        r = loss_chain_rule(run.element(1, i), pointwise_loss_grad<kind>(o, alpha, gamma, partial),
+                            bound);
       } else {
         r = pointwise_loss_value<kind>(o, alpha, gamma);
       }
@@ -109,7 +131,6 @@ double pointwise_sum(at::TensorIteratorBase& iter, double alpha_d, double gamma_
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
-  constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
   const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
   const int64_t n = iter.numel();
   std::vector<double> chunk_sums((n + kSumChunk - 1) / kSumChunk, 0.0);
@@ -119,20 +140,13 @@ double pointwise_sum(at::TensorIteratorBase& iter, double alpha_d, double gamma_
       double rest = 0.0;
       iter.serial_for_each(
           [&](char** data, const int64_t* strides, int64_t m) {
-            bool vector_run = true;
-            for (int k = 0; k < 4; ++k) vector_run = vector_run && (strides[k] == kSize || strides[k] == 0);
-            if (vector_run) {
-              auto load = [&](int k, int64_t j, int64_t count) {
-                const auto* p = reinterpret_cast<const scalar_t*>(data[k]);
-                return strides[k] == 0 ? V(static_cast<acc_t>(*p)) : cpu::load_vec(p + j, count);
-              };
+            const RunOperands<scalar_t, 0> run{data, strides};
+            if (run.vectors_from(0)) {
               const V valpha(alpha), vgamma(gamma);
               alignas(64) acc_t values[W];
               for (int64_t i = 0; i < m; i += W) {
                 const int64_t count = std::min<int64_t>(W, m - i);
-                const PointwiseOperands<V> o{load(0, i, count), load(1, i, count),
-                                             load(2, i, count), load(3, i, count)};
-                V r = pointwise_loss_value<kind>(o, valpha, vgamma);
+                V r = pointwise_loss_value<kind>(run.vectors(i, count), valpha, vgamma);
                 // The lanes past the run's end hold the loss of padding: left out.
                 if (count < W) r = V::set(V(acc_t(0)), r, count);
                 r.store(values);
@@ -141,11 +155,7 @@ double pointwise_sum(at::TensorIteratorBase& iter, double alpha_d, double gamma_
               return;
             }
             for (int64_t i = 0; i < m; ++i) {
-              const PointwiseOperands<acc_t> o{read<scalar_t>(data[0], strides[0], i),
-                                               read<scalar_t>(data[1], strides[1], i),
-                                               read<scalar_t>(data[2], strides[2], i),
-                                               read<scalar_t>(data[3], strides[3], i)};
-              rest += static_cast<double>(pointwise_loss_value<kind>(o, alpha, gamma));
+              rest += static_cast<double>(pointwise_loss_value<kind>(run.elements(i), alpha, gamma));
             }
           },
           {c * kSumChunk, std::min(n, (c + 1) * kSumChunk)});

@@ -1,8 +1,9 @@
 """The losses family's Python side (pointwise_loss: binary_cross_entropy_with_logits,
 binary_cross_entropy, kl_div, sigmoid_focal_loss; pointwise_loss_sum, their
-'mean' and 'sum' reductions; cross_entropy; and their backward ops): the op-level argument checks of the Python backends and fake
-kernels (the same errors, words and exception types as csrc/common/losses_op.h),
-the fakes, and the autograd.
+'mean' and 'sum' reductions; cross_entropy; and their backward ops): the
+op-level argument checks of the Python backends and fake kernels (the same
+errors, words and exception types as csrc/common/losses_op.h), the fakes, and
+the autograd.
 
 Autograd is registered here (torch.library.register_autograd), not in C++: a
 loss is called once per training step, so the microseconds a Python node costs
@@ -270,11 +271,11 @@ def _floating(op, name, t):
 def pointwise_call(op, kind, input, target, weight=None, pos_weight=None, alpha=0.0, gamma=0.0,
                    same_shape=True, reduction="none"):
     """The loss of a pointwise kind, reduced as `reduction` says ('batchmean':
-    the sum over the input's first size, as kl_div's): torch's type promotion over input, target, weight and
-    pos_weight; target broadcast with the input (or of its shape where torch
-    requires it); weight and pos_weight broadcast to it. 'mean', 'sum' and
-    'batchmean' go through pointwise_loss_sum, which never forms the unreduced
-    loss."""
+    the sum over the input's first size, as kl_div's): torch's type promotion
+    over input, target, weight and pos_weight; target broadcast with the input
+    (or of its shape where torch requires it); weight and pos_weight broadcast
+    to it. 'mean', 'sum' and 'batchmean' go through pointwise_loss_sum, which
+    never forms the unreduced loss."""
     for name, t in (("input", input), ("target", target)):
         _floating(op, name, t)
     batch = input.shape[0] if input.dim() else 1
