@@ -17,6 +17,7 @@ from mnr_oracle import composed_mnr_loss
 from torch.library import opcheck
 
 import nanfree.ops as nf
+from nanfree._ops import mnr as mnr_ops
 
 # Under Triton's interpreter every kernel launch runs in numpy: gradcheck's
 # fast mode checks a random projection of the Jacobian.
@@ -541,3 +542,20 @@ def test_huge_upstream_gradient_stays_finite_and_linear(device, dtype, reduction
         big = 2.0 ** -4  # float16 gradients saturate at 65504: stay well inside
     for g1, gb in zip(grads(1.0), grads(big)):
         torch.testing.assert_close(gb.double(), g1.double() * big, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_gradient_scaled_on_cpu_as_through_float32(dtype):
+    # The CPU backward multiplies a half gradient by the float32 upstream
+    # directly (mnr.scaled_saved_gradient): the result must be the float32
+    # product saturated and rounded once, as through a float32 copy, for
+    # factors no half dtype holds, products past the range, NaN and zeros.
+    big = torch.finfo(dtype).max
+    grad = torch.cat([torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 100,
+                      torch.tensor([0.0, -0.0, big, -big, float("nan"), 1e-30, 3.0])]).to(dtype)
+    for value in (1.0, 1.0001, -1.7001, 3e38, -3e38, 2.0 ** -100, 1e-45, 0.0):
+        factor = torch.tensor(value, dtype=torch.float32)
+        ours = mnr_ops.scaled_saved_gradient(grad, factor)
+        expected = (grad.float() * factor).clamp_(-big, big).to(dtype)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)

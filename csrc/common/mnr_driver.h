@@ -17,9 +17,14 @@
 //     the GEMM operand of an input [n, d] matrix (e.g. the acc dtype on CPU).
 //   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns);
 //     rows @ columns^T as a contiguous acc_t matrix.
+//   static at::Tensor gradient_operand(const at::Tensor& grads, at::ScalarType operand);
+//     the GEMM operand form of a chunk's scale * dlogit (acc_t, contiguous,
+//     after row_grads) for operand matrices of dtype `operand`: the matrix
+//     itself, or its rounding to a half dtype; made once per chunk and row
+//     kind, for every gradient GEMM of the chunk.
 //   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b);
-//     out += a @ b, out acc_t, a an acc_t matrix or its transpose (a view),
-//     b an operand matrix.
+//     out += a @ b, out acc_t, a a gradient_operand matrix or the transpose
+//     of a column slice of it (a view), b an operand matrix.
 //   static void row_stats(const at::Tensor& cos, const MnrTile&, const at::Tensor& scale,
 //                         double hardness_strength, at::Tensor lse, at::Tensor target);
 //     lse[i] = logsumexp of row i's logits relative to its target logit
@@ -220,18 +225,20 @@ class MnrChunked {
                        p_.per_direction, p_.has_p_row(), scale_grad);
       scale_grad_rows_.narrow(0, start, n).add_(scale_grad);
       const at::Tensor rows = kind.rows.narrow(0, p_.offset + start, n);
+      // One operand (one half rounding) serves the chunk's three GEMMs.
+      const at::Tensor dlogit = Tiles::gradient_operand(cos[k], kind.columns.scalar_type());
       Tiles::accumulate(kind.row_target == 0 && stream_query_grads_
                             ? query_rows
                             : grads_[kind.row_target].narrow(0, p_.offset + start, n),
-                        cos[k], kind.columns);
+                        dlogit, kind.columns);
       const int64_t cols = kind.columns.size(0);
       if (kind.first_len > 0) {
         Tiles::accumulate(grads_[kind.first_target].narrow(0, 0, kind.first_len),
-                          cos[k].narrow(1, 0, kind.first_len).t(), rows);
+                          dlogit.narrow(1, 0, kind.first_len).t(), rows);
       }
       if (cols > kind.first_len) {
         Tiles::accumulate(grads_[kind.second_target].narrow(0, 0, cols - kind.first_len),
-                          cos[k].narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
+                          dlogit.narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
       }
     }
     if (stream_query_grads_) {

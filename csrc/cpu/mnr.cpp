@@ -63,6 +63,12 @@ constexpr int kCblasTrans = 112;
 
 bool has_bf16_gemm() { return &cblas_gemm_bf16bf16f32 != nullptr; }
 
+// The leading dimension of a row-major matrix with unit column stride (its
+// row stride; with one row, any value from its width up is valid).
+int64_t leading_dimension(const at::Tensor& a) {
+  return std::max<int64_t>(a.size(0) > 1 ? a.stride(0) : a.size(1), 1);
+}
+
 // c (float [m, n], row stride ldc) = beta * c + a @ b^T (transb) or a @ b,
 // a and b bfloat16 with unit column stride; a_transposed: a is stored [k, m].
 void bf16_gemm(const at::Tensor& a, bool a_transposed, const at::Tensor& b, bool b_transposed,
@@ -77,9 +83,9 @@ void bf16_gemm(const at::Tensor& a, bool a_transposed, const at::Tensor& b, bool
   if (m == 0 || n == 0) return;
   cblas_gemm_bf16bf16f32(kCblasRowMajor, a_transposed ? kCblasTrans : kCblasNoTrans,
                          b_transposed ? kCblasTrans : kCblasNoTrans, m, n, k, 1.0f,
-                         a.const_data_ptr(), std::max<int64_t>(a.stride(0), 1),
-                         b.const_data_ptr(), std::max<int64_t>(b.stride(0), 1), beta,
-                         c.mutable_data_ptr<float>(), std::max<int64_t>(c.stride(0), 1));
+                         a.const_data_ptr(), leading_dimension(a), b.const_data_ptr(),
+                         leading_dimension(b), beta, c.mutable_data_ptr<float>(),
+                         leading_dimension(c));
 }
 
 // The bfloat16 GEMM operand of a float matrix with unit column stride:
@@ -207,16 +213,22 @@ struct CpuMnrTiles {
     return out;
   }
 
-  // out += a @ b; a float (the chunk's scale * dlogit, or a transposed column
-  // slice of it), b an operand matrix.
+  // The chunk's scale * dlogit as the bfloat16 GEMM's operand (rounded once
+  // for the chunk's three GEMMs), or as it is for float and double GEMMs.
+  static at::Tensor gradient_operand(const at::Tensor& grads, at::ScalarType operand) {
+    return operand == at::kBFloat16 ? bf16_operand(grads) : grads;
+  }
+
+  // out += a @ b; a a gradient_operand matrix (or a transposed column slice
+  // of it), b an operand matrix.
   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
     if (b.scalar_type() != at::kBFloat16) {
       out.addmm_(a, b);
       return;
     }
+    // A transposed slice [cols, n] of the [n, all cols] operand is stored as its transpose.
     const bool transposed = a.stride(1) != 1;
-    const at::Tensor a_bf16 = bf16_operand(transposed ? a.t() : a);
-    bf16_gemm(a_bf16, transposed, b, false, out, 1.0f);
+    bf16_gemm(transposed ? a.t() : a, transposed, b, false, out, 1.0f);
   }
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,

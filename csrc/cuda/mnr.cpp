@@ -35,26 +35,18 @@ namespace {
 bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 #if NANFREE_MM_FLOAT32
-// The fp16 / bf16 GEMM operand of a float32 matrix `a` (the chunk of scale *
-// dlogit, or the transpose of a column slice of it): saturated and cast by
-// mnr_saturate_cast, in a's layout (a transposed view stays transposed).
+// The fp16 / bf16 GEMM operand of a contiguous float32 matrix `a` (a chunk of
+// scale * dlogit): saturated and cast by mnr_saturate_cast.
 at::Tensor half_operand(const at::Tensor& a, at::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.scalar_type() == at::kFloat);
-  bool transposed = false;
-  at::Tensor src = a;
-  if (!(a.stride(1) == 1 || a.size(1) <= 1)) {
-    transposed = a.stride(0) == 1 || a.size(0) <= 1;
-    src = transposed ? a.t() : a.contiguous();
-  }
-  at::Tensor dst = at::empty(src.sizes(), a.options().dtype(dtype));
-  const int64_t in_stride = src.size(0) > 1 ? src.stride(0) : src.size(1);
+  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous());
+  at::Tensor dst = at::empty(a.sizes(), a.options().dtype(dtype));
   const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "nanfree_mnr_half_operand_cuda", [&] {
-    NANFREE_CUDA_CHECK(gpu::mnr_saturate_cast(src.const_data_ptr<float>(), src.size(0),
-                                              src.size(1), in_stride,
-                                              mutable_device_ptr<scalar_t>(dst), stream));
+    NANFREE_CUDA_CHECK(gpu::mnr_saturate_cast(a.const_data_ptr<float>(), a.size(0), a.size(1),
+                                              a.size(1), mutable_device_ptr<scalar_t>(dst),
+                                              stream));
   });
-  return transposed ? dst.t() : dst;
+  return dst;
 }
 #endif
 
@@ -100,17 +92,27 @@ struct CudaMnrTiles {
     return at::mm(rows, columns.t());
   }
 
+  // The chunk's scale * dlogit as the half GEMMs' operand (cast once for the
+  // chunk's three GEMMs), or as it is for float and double GEMMs.
+  static at::Tensor gradient_operand(const at::Tensor& grads, at::ScalarType operand) {
+#if NANFREE_MM_FLOAT32
+    if (is_half(operand)) return half_operand(grads, operand);
+#endif
+    return grads;
+  }
+
+  // out += a @ b; a a gradient_operand matrix (or a transposed column slice
+  // of it), b an operand matrix.
   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
     if (!is_half(b.scalar_type())) {
       out.addmm_(a, b);
       return;
     }
 #if NANFREE_MM_FLOAT32
-    const at::Tensor a_half = half_operand(a, b.scalar_type());
 #if NANFREE_ADDMM_FLOAT32
-    addmm_float32(out, a_half, b);
+    addmm_float32(out, a, b);
 #else
-    out.add_(mm_float32(a_half, b));
+    out.add_(mm_float32(a, b));
 #endif
 #else
     TORCH_INTERNAL_ASSERT(false, "half operands are float32 (operand) without aten::mm.dtype");

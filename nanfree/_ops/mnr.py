@@ -210,6 +210,19 @@ def unscaled(grad, factor, dtype=None):
     return (grad.to(wide) * factor).clamp_(-big, big).to(dtype)
 
 
+def scaled_saved_gradient(grad, factor):
+    """A gradient computed for an upstream 1, in the embeddings' dtype, times
+    the upstream gradient `factor` (0-d, in the accumulation dtype), saturated
+    in that dtype: the exact product rounded once. On CPU a half tensor times a
+    0-d float32 tensor is that product (ATen multiplies by the unrounded
+    factor in float32), so no float32 copy is made; on a GPU the factor would
+    be rounded to the half dtype first, so a half gradient goes through float32."""
+    if grad.dtype == factor.dtype or grad.device.type == "cpu":
+        big = torch.finfo(grad.dtype).max
+        return (grad * factor).clamp_(-big, big)
+    return unscaled(grad.to(factor.dtype), factor, grad.dtype)
+
+
 # --- the normalization around the Python backends' cores ---------------------------
 
 MNR_NORMALIZE_EPS = 1e-12  # kMnrNormalizeEps of mnr_math.h
@@ -349,8 +362,8 @@ def _gradients(ctx, grad_loss):
         factor = grad_loss.to(grad_scale.dtype)
         # A product past the dtype's range saturates (unscaled), as the
         # recomputing path's gradients do.
-        grad_queries = unscaled(grad_queries.to(factor.dtype), factor, grad_queries.dtype)
-        grad_docs = unscaled(grad_docs.to(factor.dtype), factor, grad_docs.dtype)
+        grad_queries = scaled_saved_gradient(grad_queries, factor)
+        grad_docs = scaled_saved_gradient(grad_docs, factor)
         grad_scale = unscaled(grad_scale, factor)
     else:
         queries, scale, stats, _, *docs = ctx.saved_tensors
