@@ -16,7 +16,8 @@ Environment:
 - ``NANFREE_CUDA=0|1|auto`` (default auto): 1 fails the build when CUDA cannot be built.
 - ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures (default "8.0;9.0+PTX").
 - ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
-  CPU kernels; auto picks the best one the build machine has.
+  CPU kernels; auto picks the best one the build machine has (and with AVX-512, its
+  AVX512-BF16 conversion instructions where it has them).
 - ``NANFREE_CUDA_EMULATE=0|1|auto|<variant>[,<variant>...]`` (default 0): the emulated
   CUDA builds; 1 builds every variant of EMULATION_VARIANTS (and fails without CUDA's
   headers), auto every variant when CUDA's headers are found (scripts/test.sh).
@@ -96,6 +97,7 @@ def _gcc12_avx512_quiet():
 def _cpu_isa_flags():
     """Compiler flags and ATen CPU_CAPABILITY for the vectorized CPU kernels."""
     isa = os.environ.get("NANFREE_CPU_ISA", "auto").lower()
+    bf16 = []  # csrc/cpu/vec.h's narrow_pair: bfloat16 rounding in one instruction
     if isa == "auto":
         isa = "default"
         if platform.machine() in ("x86_64", "AMD64") and os.path.exists("/proc/cpuinfo"):
@@ -103,11 +105,13 @@ def _cpu_isa_flags():
                 flags = f.read()
             if all(f" {name}" in flags for name in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
                 isa = "avx512"
+                bf16 = ["-mavx512bf16"] if " avx512_bf16" in flags else []
             elif " avx2" in flags and " fma" in flags:
                 isa = "avx2"
     if isa == "avx512":
         return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", *_gcc12_avx512_quiet()]
+                *bf16, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+                *_gcc12_avx512_quiet()]
     if isa == "avx2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     if isa == "default":

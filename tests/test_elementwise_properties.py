@@ -87,3 +87,31 @@ def test_error_at_most_twice_torch(device, op, dtype, seed, scale):
         ref_i = (ref.detach(), ref_g)[i][keep]
         n_err, t_err = _error(ours[i], ref_i), _error(theirs[i], ref_i)
         assert n_err <= 2 * t_err + _floor(dtype, ref_i), f"{op} {what}: {n_err} vs torch {t_err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_results_below_float_normals_are_kept(device):
+    # bfloat16 has float32's exponent range: a result below FLT_MIN is a
+    # bfloat16 denormal, which torch keeps. The vector stores must keep it too
+    # (the CPU's one-instruction bfloat16 rounding reads float denormals as 0,
+    # so vectors holding one take the exact rounding). 77 entries: whole
+    # vectors and a tail, denormal and normal results in the same vectors.
+    n = 77
+    x = torch.full((n,), 3.3e38, dtype=torch.bfloat16, device=device)
+    x[::3] = 2.0
+    x = x.requires_grad_()
+    g = torch.ones(n, dtype=torch.bfloat16, device=device)
+    grad_log, = torch.autograd.grad(nf.log(x), x, g)
+    small = torch.full((n,), 1e-20, dtype=torch.bfloat16, device=device)
+    grad_sqrt, = torch.autograd.grad(nf.sqrt(x), x, small)
+    a = torch.full((n,), 1e-30, dtype=torch.bfloat16, device=device)
+    quotient = nf.div_no_nan(a, torch.full((n,), 1e9, dtype=torch.bfloat16, device=device))
+    xf = x.detach().float()
+    cases = [("log'", grad_log, 1 / xf), ("sqrt'", grad_sqrt, small.float() * 0.5 / xf.sqrt()),
+             ("div_no_nan", quotient, a.float() / torch.tensor(1e9, dtype=torch.bfloat16).float())]
+    for name, ours, exact in cases:
+        expected = exact.to(torch.bfloat16)
+        assert bool(((expected.float().abs() < torch.finfo(torch.float32).tiny)
+                     & (expected != 0)).any()), name  # the case holds denormal results
+        torch.testing.assert_close(ours.cpu().float(), expected.cpu().float(), rtol=2 ** -8,
+                                   atol=0, msg=name)

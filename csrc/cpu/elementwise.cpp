@@ -150,8 +150,8 @@ void unary_loop(at::TensorIteratorBase& iter) {
             auto [x0, x1] = at::vec::convert_to_float<scalar_t>(S::loadu(x + j));
             V g0(acc_t(0)), g1(acc_t(0));
             if constexpr (order > 0) std::tie(g0, g1) = at::vec::convert_to_float<scalar_t>(S::loadu(g + j));
-            at::vec::convert_from_float<scalar_t>(unary_element<op, order>(g0, x0, bound_vec),
-                                                  unary_element<op, order>(g1, x1, bound_vec))
+            cpu::narrow_pair<scalar_t>(unary_element<op, order>(g0, x0, bound_vec),
+                                       unary_element<op, order>(g1, x1, bound_vec))
                 .store(out + j);
           }
         }

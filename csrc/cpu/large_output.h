@@ -94,8 +94,7 @@ inline void stream_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p) {
   } else if constexpr (std::is_same_v<scalar_t, double>) {
     _mm512_stream_pd(p, v);
   } else {  // 16 float16 / bfloat16 values: the low half of the converted vector
-    const __m512i bits = at::vec::convert_from_float<scalar_t>(v, v);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(bits));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), narrow_one<scalar_t>(v));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -103,7 +102,7 @@ inline void stream_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p) {
   } else if constexpr (std::is_same_v<scalar_t, double>) {
     _mm256_stream_pd(p, v);
   } else {  // 8 float16 / bfloat16 values
-    const __m256i bits = at::vec::convert_from_float<scalar_t>(v, v);
+    const __m256i bits = narrow_pair<scalar_t>(v, v);
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(bits));
   }
 #else
@@ -146,7 +145,7 @@ inline void write_row(scalar_t* out, int64_t n, bool stream, Value value) {
   int64_t j = 0;
   if constexpr (!std::is_same_v<scalar_t, acc_t>) {
     for (; j + 2 * w <= n; j += 2 * w) {
-      const Vec<scalar_t> v = at::vec::convert_from_float<scalar_t>(value(j, w), value(j + w, w));
+      const Vec<scalar_t> v = narrow_pair<scalar_t>(value(j, w), value(j + w, w));
       if (stream) {
         stream_stored_vec(v, out + j);
       } else {
@@ -171,8 +170,8 @@ inline void write_rows(scalar_t* out1, scalar_t* out2, int64_t n, bool stream, V
     for (; j + 2 * w <= n; j += 2 * w) {
       const auto [a0, b0] = values(j, w);
       const auto [a1, b1] = values(j + w, w);
-      const Vec<scalar_t> a = at::vec::convert_from_float<scalar_t>(a0, a1);
-      const Vec<scalar_t> b = at::vec::convert_from_float<scalar_t>(b0, b1);
+      const Vec<scalar_t> a = narrow_pair<scalar_t>(a0, a1);
+      const Vec<scalar_t> b = narrow_pair<scalar_t>(b0, b1);
       if (stream) {
         stream_stored_vec(a, out1 + j);
         stream_stored_vec(b, out2 + j);
@@ -205,8 +204,7 @@ template <typename scalar_t>
 inline void store_entries(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
-    const __m256i bits = std::is_same_v<scalar_t, at::BFloat16> ? at::vec::cvtfp32_bf16(v)
-                                                                 : at::vec::cvtfp32_fp16(v);
+    const __m256i bits = narrow_one<scalar_t>(v);
     if (count == Vec<float>::size()) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
     } else {

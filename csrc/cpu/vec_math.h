@@ -15,6 +15,11 @@ at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::ve
                                 const at::vec::Vectorized<T>& b) {
   return at::vec::Vectorized<T>::blendv(b, a, mask);
 }
+// numerics.h's nf_saturate: clamp_min and clamp_max return a NaN first operand unchanged.
+template <typename T>
+at::vec::Vectorized<T> nf_saturate(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& bound) {
+  return at::vec::clamp_max(at::vec::clamp_min(x, at::vec::Vectorized<T>(T(0)) - bound), bound);
+}
 template <typename T>
 at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
 template <typename T>

@@ -10,7 +10,7 @@ bfloat16) and rounded once, as the C++ kernels do."""
 import torch
 
 from .._ops import elementwise as _ew
-from .numerics import acc_dtype, nf_largest
+from .numerics import acc_dtype, nf_largest, saturate
 
 
 def _where(cond, a, b):
@@ -122,8 +122,8 @@ def chain_rule(g, d, bound):
     (rule 5); NaN g or d gives NaN (rule 7)."""
     zero = ((d == 0) | (g == 0)) & ~torch.isnan(d) & ~torch.isnan(g)
     masked = _where(zero, 0.0, g * d)
-    # beyond the range (an infinite d or g): +-bound; NaN fails both tests and stays.
-    return _where(masked > bound, bound, _where(masked < -bound, -bound, masked))
+    # beyond the range (an infinite d or g): +-bound; NaN stays.
+    return saturate(masked, bound)
 
 
 _FUNCTIONS = {

@@ -30,7 +30,7 @@ from .._ops.common import acc_dtype
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded
-from .numerics import COMPILED, largest_finite, nf_log, nf_log1p, nf_pow, nf_sqrt
+from .numerics import COMPILED, largest_finite, nf_log, nf_log1p, nf_pow, nf_sqrt, saturate
 
 _BLOCK = 1024
 _HALF_PI = tl.constexpr(1.5707963267948966)
@@ -254,8 +254,8 @@ def chain_rule(g, d, bound):
     # (rule 5); NaN g or d gives NaN (rule 7).
     zero = ((d == 0) | (g == 0)) & (d == d) & (g == g)
     masked = tl.where(zero, 0.0, g * d)
-    # beyond the range (an infinite d or g): +-bound; NaN fails both tests and stays.
-    return tl.where(masked > bound, bound, tl.where(masked < -bound, -bound, masked))
+    # beyond the range (an infinite d or g): +-bound; NaN stays.
+    return saturate(masked, bound)
 
 
 @triton.jit

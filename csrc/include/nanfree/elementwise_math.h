@@ -221,8 +221,8 @@ NF_HOST_DEVICE T unary_function(T x) {
 template <typename T>
 NF_HOST_DEVICE T chain_rule(T g, T d, T bound) {
   const T masked = nf_where(((d == T(0)) | (g == T(0))) & (d == d) & (g == g), T(0), g * d);
-  // beyond the range (an infinite d or g): +-bound; NaN fails both tests and stays.
-  return nf_where(masked > bound, bound, nf_where(masked < -bound, -bound, masked));
+  // beyond the range (an infinite d or g): +-bound; NaN stays.
+  return nf_saturate(masked, bound);
 }
 
 // One element of <op> (order 0: the value at x; g is not read) or of

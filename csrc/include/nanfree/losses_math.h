@@ -349,7 +349,7 @@ template <typename T>
 NF_HOST_DEVICE T loss_chain_rule(T g, T partial, T bound) {
   const T r = loss_product(g, partial);
   // Past the dtype's range: its largest value with the sign (NaN stays NaN).
-  return nf_where(r > bound, bound, nf_where(r < T(0) - bound, T(0) - bound, r));
+  return nf_saturate(r, bound);
 }
 
 // --- cross_entropy -------------------------------------------------------------

@@ -78,6 +78,14 @@ NF_HOST_DEVICE T saturate(T x, T bound) {
   return x > bound ? bound : (x < -bound ? -bound : x);
 }
 
+// saturate for the templates that the CPU kernels also instantiate with ATen
+// vectors (there: csrc/cpu/vec_math.h's overload, two min/max instructions
+// that keep NaN).
+template <typename T>
+NF_HOST_DEVICE T nf_saturate(T x, T bound) {
+  return saturate(x, bound);
+}
+
 // The eps the accumulation type works with: one below its smallest normal
 // (even one the caller passes, say 1e-45 in float) is raised to it, so 1/eps,
 // log(eps) and m / eps stay finite.
