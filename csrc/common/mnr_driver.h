@@ -11,8 +11,11 @@
 //
 // A `Tiles` policy provides (acc_t = float, or double for double inputs):
 //   static constexpr int64_t kChunkEntries;
-//     cosines held per row kind and chunk (the block of rows is
-//     kChunkEntries / columns rows, at least one).
+//   static constexpr int64_t kMinChunkRows;
+//     cosines held per row kind and chunk: the block of rows is
+//     kChunkEntries / columns rows (at least one), and with gradients at
+//     least kMinChunkRows (each chunk then adds into the columns' gradient
+//     accumulator, which fewer, larger chunks read and write fewer times).
 //   static at::Tensor operand(const at::Tensor& matrix);
 //     the GEMM operand of an input [n, d] matrix (e.g. the acc dtype on CPU).
 //   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns);
@@ -98,12 +101,6 @@ class MnrChunked {
     int64_t cols = 0;
     for (const MnrRowKind& k : kinds_) cols += k.columns.size(0);
     step_ = std::clamp<int64_t>(Tiles::kChunkEntries / std::max<int64_t>(cols, 1), 1, p_.rows);
-    // When the queries are rows only (never columns) and every row is local,
-    // a chunk's rows get their whole gradient in that chunk: it is finished
-    // there (streamed into the output), and no [R, d] float accumulator is
-    // held, only chunk-sized temporaries (so not for a single chunk).
-    stream_query_grads_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
-                          p_.offset == 0 && p_.rows == p_.r && step_ < p_.rows;
   }
 
   // (loss, stats, grad_queries, grad_docs, grad_scale) of the mnr_loss op.
@@ -199,6 +196,13 @@ class MnrChunked {
   }
 
   void start_gradients() {
+    step_ = std::clamp<int64_t>(std::max(step_, Tiles::kMinChunkRows), 1, p_.rows);
+    // When the queries are rows only (never columns) and every row is local,
+    // a chunk's rows get their whole gradient in that chunk: it is finished
+    // there (streamed into the output), and no [R, d] float accumulator is
+    // held, only chunk-sized temporaries (so not for a single chunk).
+    stream_query_grads_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
+                          p_.offset == 0 && p_.rows == p_.r && step_ < p_.rows;
     const at::TensorOptions acc = scale_.options();
     if (stream_query_grads_) {
       query_grad_out_ = at::empty({p_.r, p_.d}, acc.dtype(dtype_));
@@ -327,7 +331,7 @@ class MnrChunked {
   int64_t step_;
   at::Tensor stats_;
   at::Tensor grads_[2];      // float accumulators (grads_[0] unused when streamed)
-  bool stream_query_grads_;  // see the constructor
+  bool stream_query_grads_ = false;  // see start_gradients
   at::Tensor query_grad_out_;  // the queries' gradient, when streamed
   at::Tensor scale_grad_rows_;
   at::Tensor upstream_factor_;  // 2^e of scale_upstream; undefined: 1

@@ -76,6 +76,8 @@ struct CudaMnrTiles {
 #else
   static constexpr int64_t kChunkEntries = int64_t(1) << 26;
 #endif
+  // Rows per chunk from kChunkEntries alone (the memory bound of the GPU path).
+  static constexpr int64_t kMinChunkRows = 1;
 
   static at::Tensor operand(const at::Tensor& matrix) {
 #if NANFREE_MM_FLOAT32
