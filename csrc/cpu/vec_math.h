@@ -8,6 +8,8 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include "cpu/vec.h"
+
 namespace nanfree {
 
 template <typename T>
@@ -15,10 +17,10 @@ at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::ve
                                 const at::vec::Vectorized<T>& b) {
   return at::vec::Vectorized<T>::blendv(b, a, mask);
 }
-// numerics.h's nf_saturate: clamp_min and clamp_max return a NaN first operand unchanged.
+// numerics.h's nf_saturate: vec.h's saturate_vec (min/max that keep NaN).
 template <typename T>
 at::vec::Vectorized<T> nf_saturate(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& bound) {
-  return at::vec::clamp_max(at::vec::clamp_min(x, at::vec::Vectorized<T>(T(0)) - bound), bound);
+  return cpu::saturate_vec(x, bound, at::vec::Vectorized<T>(T(0)) - bound);
 }
 template <typename T>
 at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
