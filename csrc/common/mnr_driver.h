@@ -24,7 +24,8 @@
 //     the GEMM operand form of a chunk's scale * dlogit (acc_t, contiguous,
 //     after row_grads) for operand matrices of dtype `operand`: the matrix
 //     itself, or its rounding to a half dtype; made once per chunk and row
-//     kind, for every gradient GEMM of the chunk.
+//     kind, for every gradient GEMM of the chunk. `grads` is not read after
+//     it, so the rounding may be written into its storage.
 //   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b);
 //     out += a @ b, out acc_t, a a gradient_operand matrix or the transpose
 //     of a column slice of it (a view), b an operand matrix.
@@ -81,10 +82,19 @@ class MnrChunked {
     // The rows are normalized here, by the cosine family's op (as cos_sim
     // normalizes them), so that no normalized copy outlives the call: the
     // gradients are taken back through normalize_backward before returning.
+    // Queries that are rows only (never columns) and all local are normalized
+    // chunk by chunk (prepare_chunk): no [R, d] normalized copy is held.
+    chunk_queries_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
+                     p_.offset == 0 && p_.rows == p_.r;
     static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
-    std::tie(normalized_[0], norm_stats_[0]) = normalize.call(queries.contiguous(), kMnrNormalizeEps);
+    at::Tensor q;
+    if (chunk_queries_) {
+      queries_ = queries.contiguous();
+    } else {
+      std::tie(normalized_[0], norm_stats_[0]) = normalize.call(queries.contiguous(), kMnrNormalizeEps);
+      q = Tiles::operand(normalized_[0]);
+    }
     std::tie(normalized_[1], norm_stats_[1]) = normalized_docs(docs);
-    const at::Tensor q = Tiles::operand(normalized_[0]);
     const at::Tensor d = Tiles::operand(normalized_[1]);
     scale_ = scale.has_value() ? scale->reshape({}).to(acc_)
                                : at::scalar_tensor(scale_value, queries.options().dtype(acc_));
@@ -116,6 +126,7 @@ class MnrChunked {
     }
     for (int64_t start = 0; start < p_.rows; start += step_) {
       const int64_t n = std::min(step_, p_.rows - start);
+      prepare_chunk(start, n);
       std::vector<at::Tensor> cos = chunk_scores(start, n);
       // Kind 0 (the Q rows) writes each row's target logit, kind 1 reads it.
       at::Tensor target = at::empty({n}, acc);
@@ -154,6 +165,7 @@ class MnrChunked {
     start_gradients();
     for (int64_t start = 0; start < p_.rows; start += step_) {
       const int64_t n = std::min(step_, p_.rows - start);
+      prepare_chunk(start, n);
       chunk_gradients(chunk_scores(start, n), start, n, up);
     }
     return finish_gradients(scale_grad);
@@ -187,10 +199,33 @@ class MnrChunked {
                    p_.owned_end, p_.offset + start,  kind.kind,      p_.hardness_mode};
   }
 
+  // With chunk_queries_, normalizes the chunk's queries (kind 0's rows).
+  void prepare_chunk(int64_t start, int64_t n) {
+    if (!chunk_queries_) return;
+    static const auto normalize = find_op<NormalizeSignature>("nanfree::normalize");
+    // The previous chunk's go before the next are made.
+    chunk_rows_ = normalized_[0] = norm_stats_[0] = at::Tensor();
+    std::tie(normalized_[0], norm_stats_[0]) =
+        normalize.call(queries_.narrow(0, start, n), kMnrNormalizeEps);
+    chunk_rows_ = Tiles::operand(normalized_[0]);
+  }
+
+  // Kind k's operand rows of the chunk [start, start + n).
+  at::Tensor chunk_rows(size_t k, int64_t start, int64_t n) const {
+    if (k == 0 && chunk_queries_) return chunk_rows_;
+    return kinds_[k].rows.narrow(0, p_.offset + start, n);
+  }
+
+  // The normalized rows [start, start + n) of input i and their statistics.
+  std::pair<at::Tensor, at::Tensor> normalized_rows(int i, int64_t start, int64_t n) const {
+    if (i == 0 && chunk_queries_) return {normalized_[0], norm_stats_[0]};
+    return {normalized_[i].narrow(0, start, n), norm_stats_[i].narrow(0, start, n)};
+  }
+
   std::vector<at::Tensor> chunk_scores(int64_t start, int64_t n) const {
     std::vector<at::Tensor> cos;
-    for (const MnrRowKind& kind : kinds_) {
-      cos.push_back(Tiles::scores(kind.rows.narrow(0, p_.offset + start, n), kind.columns));
+    for (size_t k = 0; k < kinds_.size(); ++k) {
+      cos.push_back(Tiles::scores(chunk_rows(k, start, n), kinds_[k].columns));
     }
     return cos;
   }
@@ -199,10 +234,9 @@ class MnrChunked {
     step_ = std::clamp<int64_t>(std::max(step_, Tiles::kMinChunkRows), 1, p_.rows);
     // When the queries are rows only (never columns) and every row is local,
     // a chunk's rows get their whole gradient in that chunk: it is finished
-    // there (streamed into the output), and no [R, d] float accumulator is
-    // held, only chunk-sized temporaries (so not for a single chunk).
-    stream_query_grads_ = !p_.query_to_query() && !(p_.has_p_row() && p_.doc_to_query()) &&
-                          p_.offset == 0 && p_.rows == p_.r && step_ < p_.rows;
+    // there (streamed into the output) from the chunk's normalized queries,
+    // and no [R, d] float accumulator is held, only chunk-sized temporaries.
+    stream_query_grads_ = chunk_queries_;
     const at::TensorOptions acc = scale_.options();
     if (stream_query_grads_) {
       query_grad_out_ = at::empty({p_.r, p_.d}, acc.dtype(dtype_));
@@ -228,7 +262,7 @@ class MnrChunked {
       Tiles::row_grads(cos[k], tile(k, start, n), scale_, p_.hardness_strength, stats, up,
                        p_.per_direction, p_.has_p_row(), scale_grad);
       scale_grad_rows_.narrow(0, start, n).add_(scale_grad);
-      const at::Tensor rows = kind.rows.narrow(0, p_.offset + start, n);
+      const at::Tensor rows = chunk_rows(k, start, n);
       // One operand (one half rounding) serves the chunk's three GEMMs.
       const at::Tensor dlogit = Tiles::gradient_operand(cos[k], kind.columns.scalar_type());
       Tiles::accumulate(kind.row_target == 0 && stream_query_grads_
@@ -294,8 +328,23 @@ class MnrChunked {
     const double big = largest_finite(dtype_);
     if (upstream_factor_.defined()) g.mul_(upstream_factor_);
     g.clamp_(-big, big);
-    return normalize_backward.call(g.to(dtype_), normalized_[i].narrow(0, start, n),
-                                   norm_stats_[i].narrow(0, start, n));
+    auto [hat, stats] = normalized_rows(i, start, n);
+    return normalize_backward.call(g.to(dtype_), hat, stats);
+  }
+
+  // finish_gradient of all rows of input i, into one output, in blocks of at
+  // most Tiles::kChunkEntries entries: the dtype rounding and
+  // normalize_backward's result are block-sized, not a second and third [n, d].
+  at::Tensor finish_whole_gradient(at::Tensor g, int i) const {
+    const int64_t n = g.size(0);
+    const int64_t block = std::max<int64_t>(Tiles::kChunkEntries / std::max<int64_t>(p_.d, 1), 1);
+    if (n <= block) return finish_gradient(std::move(g), i, 0, n);
+    at::Tensor out = at::empty({n, p_.d}, g.options().dtype(dtype_));
+    for (int64_t start = 0; start < n; start += block) {
+      const int64_t rows = std::min(block, n - start);
+      out.narrow(0, start, rows).copy_(finish_gradient(g.narrow(0, start, rows), i, start, rows));
+    }
+    return out;
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradients(bool scale_grad) {
@@ -307,12 +356,12 @@ class MnrChunked {
         out[0] = std::move(query_grad_out_);  // finished chunk by chunk
       } else {
         // Moved: in place from here, no second copy is held.
-        const int64_t n = grads_[i].size(0);
-        out[i] = finish_gradient(std::move(grads_[i]), i, 0, n);
+        out[i] = finish_whole_gradient(std::move(grads_[i]), i);
       }
       normalized_[i] = at::Tensor();
       norm_stats_[i] = at::Tensor();
     }
+    chunk_rows_ = at::Tensor();
     at::Tensor gs = at::empty({0}, scale_.options());
     if (scale_grad) {
       gs = scale_grad_rows_.sum();
@@ -322,8 +371,11 @@ class MnrChunked {
   }
 
   MnrProblem p_;
-  at::Tensor normalized_[2];  // queries, docs
+  bool chunk_queries_ = false;  // see the constructor
+  at::Tensor queries_;          // the input queries, with chunk_queries_
+  at::Tensor normalized_[2];    // queries (the chunk's, with chunk_queries_), docs
   at::Tensor norm_stats_[2];
+  at::Tensor chunk_rows_;       // the chunk's query operand, with chunk_queries_
   at::ScalarType dtype_;
   at::ScalarType acc_;
   at::Tensor scale_;

@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -88,28 +89,32 @@ void bf16_gemm(const at::Tensor& a, bool a_transposed, const at::Tensor& b, bool
                          leading_dimension(c));
 }
 
-// The bfloat16 GEMM operand of a float matrix with unit column stride:
+// The bfloat16 GEMM operand of a contiguous float matrix, written over it:
 // saturated to bfloat16's range (saturate_vec, numerics.h's saturate: an inf
 // there would meet a 0 embedding entry and make NaN; NaN stays), rounded to
-// nearest even.
-at::Tensor bf16_operand(const at::Tensor& a) {
-  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.stride(1) == 1 && a.scalar_type() == at::kFloat);
-  at::Tensor out = at::empty(a.sizes(), a.options().dtype(at::kBFloat16));
-  const int64_t cols = a.size(1), in_stride = a.stride(0);
-  const float* in = a.const_data_ptr<float>();
-  at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
+// nearest even. Row i's bfloat16 entries go to the first half of row i's
+// bytes (a [rows, cols] bfloat16 view with row stride 2 * cols), so no second
+// chunk-sized buffer is held; `a` is overwritten. Each row is rounded into a
+// per-thread buffer and copied back, so no store can meet an unread entry.
+at::Tensor bf16_operand_in_place(const at::Tensor& a) {
+  TORCH_INTERNAL_ASSERT(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat);
+  const int64_t cols = a.size(1);
+  float* data = a.mutable_data_ptr<float>();
   using V = Vec<float>;
   const V hi(cpu::largest_finite<at::BFloat16>()), lo(-cpu::largest_finite<at::BFloat16>());
   at::parallel_for(0, a.size(0), row_grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> rounded(cols);
     for (int64_t i = begin; i < end; ++i) {
+      float* row = data + i * cols;
       for (int64_t j = 0; j < cols; j += V::size()) {
         const int64_t count = std::min<int64_t>(V::size(), cols - j);
-        cpu::store_vec(cpu::saturate_vec(V::loadu(in + i * in_stride + j, count), hi, lo),
-                       dst + i * cols + j, count);
+        cpu::store_vec(cpu::saturate_vec(V::loadu(row + j, count), hi, lo), rounded.data() + j,
+                       count);
       }
+      std::memcpy(row, rounded.data(), cols * sizeof(at::BFloat16));
     }
   });
-  return out;
+  return a.view(at::kBFloat16).narrow(1, 0, cols);
 }
 
 // How many own columns a row of the tile can have: one per owned block, and
@@ -220,9 +225,10 @@ struct CpuMnrTiles {
   }
 
   // The chunk's scale * dlogit as the bfloat16 GEMM's operand (rounded once
-  // for the chunk's three GEMMs), or as it is for float and double GEMMs.
+  // for the chunk's three GEMMs, over the float chunk), or as it is for float
+  // and double GEMMs.
   static at::Tensor gradient_operand(const at::Tensor& grads, at::ScalarType operand) {
-    return operand == at::kBFloat16 ? bf16_operand(grads) : grads;
+    return operand == at::kBFloat16 ? bf16_operand_in_place(grads) : grads;
   }
 
   // out += a @ b; a a gradient_operand matrix (or a transposed column slice
