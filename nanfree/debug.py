@@ -15,23 +15,26 @@ the region runs, forward and backward, for NaN and for +-inf, and raises
 - whether an input already held the non-finite value (then the op only passed
   it on: it entered the region from outside, e.g. from the data).
 
-How: a ``TorchDispatchMode`` sees every aten op (the autograd engine carries it
-to the backward); a ``TorchFunctionMode`` stamps each autograd node made in the
-forward with the call, module path and line that made it; global module hooks
-keep the stack of modules being run. Each op's outputs are checked: contiguous
-CPU tensors by one C++ scan per op (nanfree._C.any_nonfinite), others by their
-sum (one reduction and one read; the exact ``isfinite`` only where the sum is
-not finite). A backward op's NaN or inf is reported only once it reaches its
-autograd node's outputs (a hook on the node): torch's backward formulas mask
-some intermediate values. This version costs about 2-3x a plain step
-(docs/debug.md has the figures); issue 20's speed goal (device flags, per-op
-bookkeeping in C++) remains.
+How: a C++ per-op observer (csrc/debug_observer.cpp, ATen's RecordFunction
+callbacks) sees every dispatcher op, forward and backward, without Python per
+op, checks the outputs of each outermost op (contiguous CPU tensors by one scan,
+others by their sum, then the exact test where that is not finite) and records
+the ops that made what the region reports; a ``TorchFunctionMode`` raises a
+forward finding when the torch call that ran the op returns, and stamps the
+autograd nodes each call made (by their sequence numbers) with the call, module
+path and line; global module hooks keep the stack of modules being run. A
+backward op's NaN or inf is reported only once it reaches its autograd node's
+outputs (a C++ hook on the node, which aborts the backward): torch's backward
+formulas mask some intermediate values. Without the compiled extension a
+``TorchDispatchMode`` runs the same checks in Python. docs/debug.md has the
+costs (about 1.3-1.8x a plain step on the benchmark's models).
 
 Under ``torch.compile``, code inside the region runs eagerly
 (``torch.compiler.set_stance("force_eager")``), so that every op is seen; a
 warning says so once.
 """
 
+import bisect
 import contextlib
 import functools
 import linecache
@@ -48,6 +51,13 @@ try:  # the per-op check of CPU tensors in C++; without the extension, the sum-f
     from nanfree._C import any_nonfinite as _any_nonfinite
 except ImportError:
     _any_nonfinite = None
+try:  # the per-op observer in C++ (csrc/debug_observer.cpp); else a TorchDispatchMode
+    from nanfree import _C as _OBSERVER
+    if not hasattr(_OBSERVER, "anomaly_observer_start"):
+        _OBSERVER = None
+except ImportError:
+    _OBSERVER = None
+_next_sequence_nr = getattr(_OBSERVER, "next_sequence_nr", None)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,6 +84,7 @@ class NonFiniteError(RuntimeError):
             setattr(self, key, value)
 
 
+@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)
 def _internal(filename):
     """Whether a frame's file is torch's, nanfree's or the standard library's
@@ -252,14 +263,55 @@ def _call_name(func):
 
 class _ForwardStamps(TorchFunctionMode):
     """Stamps each autograd node made in the region's forward with the call,
-    module path and user line that made it (read back in the backward)."""
+    module path and user line that made it (read back in the backward by
+    `find`), and raises the observer's findings when a call returns.
 
-    def __init__(self, modules):
+    A node is stamped by its sequence number: the autograd nodes a call makes
+    (its output's and, for a composite function, the interior ones) take the
+    consecutive numbers the thread hands out while the call runs, so one
+    (first, end) range per call that made any records them all, without
+    walking the graph. Without the C++ extension the nodes are walked and
+    stamped in their metadata."""
+
+    def __init__(self, modules, observer=None):
         super().__init__()
         self.modules = modules
+        self.observer = observer  # _Observer: its findings are raised when a call returns
+        self.stamps = []  # (first, end, func, module path, location), by first
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        first = _next_sequence_nr() if _next_sequence_nr is not None else None
+        try:
+            out = func(*args, **(kwargs or {}))
+        except RuntimeError:
+            # A backward aborted by the observer's node hook: the report instead.
+            if self.observer is not None:
+                self.observer.raise_first()
+            raise
+        if self.observer is not None and _OBSERVER.anomaly_confirmed():
+            self.observer.raise_first()
+        if first is None:
+            self._stamp_by_walk(func, out)
+        else:
+            end = _next_sequence_nr()
+            if end != first:
+                self.stamps.append((first, end, func, self.modules.path(), _user_location()))
+        return out
+
+    def find(self, node):
+        """(forward call, module path, location) of the call that made node, or
+        None when the region's forward did not make it."""
+        stamp = node.metadata.get(_META_KEY)
+        if stamp is not None or not self.stamps:
+            return stamp
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self.stamps, (seq, math.inf)) - 1
+        if i < 0 or not self.stamps[i][0] <= seq < self.stamps[i][1]:
+            return None
+        first, end, func, module, location = self.stamps[i]
+        return _call_name(func), module, location
+
+    def _stamp_by_walk(self, func, out):
         if torch.is_grad_enabled():
             stamp = None
             # The output's node and the nodes behind it that this call made
@@ -273,7 +325,6 @@ class _ForwardStamps(TorchFunctionMode):
                 stamp = stamp or (_call_name(func), self.modules.path(), _user_location())
                 node.metadata[_META_KEY] = stamp
                 todo += [n for n, _ in node.next_functions]
-        return out
 
 
 # Ops whose output is allocated, not computed.
@@ -282,10 +333,68 @@ _UNINITIALIZED = {getattr(torch.ops.aten, name) for name in (
     "resize_", "resize_as_", "set_")}
 
 
-class _Checker(TorchDispatchMode):
+def _allowed_by_name(allow, op, module):
+    """Whether `allow` names the op (full, short, or without its trailing _)
+    or the module path or one of its parents."""
+    short = op.split(".")[1] if op.count(".") >= 1 else op
+    return any(a in (op, short, short.rstrip("_"))
+               or (module and (module == a or module.startswith(a + ".")))
+               for a in allow)
+
+
+class _Observer:
+    """The region's per-op checks by the C++ observer (csrc/debug_observer.cpp):
+    it records, without Python per op, each outermost op whose outputs hold what
+    the region reports (a backward one only once its autograd node's outputs
+    hold it too), and aborts a backward at such a node; this class turns the
+    first finding that `allow` does not let pass into NonFiniteError, when the
+    torch call that ran it returns (_ForwardStamps) or when the region ends."""
+
     def __init__(self, modules, check_inf, allow):
+        self.modules = modules
+        self.check_inf = check_inf
+        self.allow = tuple(allow)
+        self.stamps = None  # the region's _ForwardStamps
+
+    def __enter__(self):
+        _OBSERVER.anomaly_observer_start(self.check_inf, bool(self.allow))
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc is None or isinstance(exc, RuntimeError):
+                self.raise_first()
+        finally:
+            _OBSERVER.anomaly_observer_stop()
+        return False
+
+    def raise_first(self):
+        """Raise the first confirmed finding that `allow` does not let pass."""
+        if not _OBSERVER.anomaly_confirmed():
+            return
+        for f in _OBSERVER.anomaly_take_confirmed():
+            node = f["node"]
+            if node is None:
+                phase, forward, module, location = ("forward", None, self.modules.path(),
+                                                    _user_location())
+            else:
+                phase = "backward"
+                forward, module, location = self.stamps.find(node) or (None, "", "<not recorded>")
+            # -inf alone, passed on from an input that held -inf or from an allowed op or module.
+            if self.allow and f["minus_inf_only"] and (
+                    f["minus_inf_in"] or _allowed_by_name(self.allow, f["op"], module)):
+                continue
+            raise _error(f["op"], phase, node, forward, module, location, f["inputs"],
+                         f["outputs"], f["offending"], f["bad_inputs"])
+
+
+class _Checker(TorchDispatchMode):
+    """The region's per-op checks without the C++ observer: Python around every op."""
+
+    def __init__(self, modules, stamps, check_inf, allow):
         super().__init__()
         self.modules = modules
+        self.stamps = stamps
         self.check_inf = check_inf
         self.allow = tuple(allow)
         self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
@@ -339,12 +448,7 @@ class _Checker(TorchDispatchMode):
         if not self.allow or x is None or x.is_complex() or bool(torch.isnan(x).any()) \
                 or bool((x == float("inf")).any()):
             return False
-        if minus_inf_in:
-            return True
-        short = op.split(".")[1] if op.count(".") >= 1 else op
-        return any(a in (op, short, short.rstrip("_"))
-                   or (module and (module == a or module.startswith(a + ".")))
-                   for a in self.allow)
+        return minus_inf_in or _allowed_by_name(self.allow, op, module)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -375,7 +479,7 @@ class _Checker(TorchDispatchMode):
             phase, forward, module, location = "forward", None, self.modules.path(), _user_location()
         else:
             phase = "backward"
-            forward, module, location = node.metadata.get(_META_KEY, (None, "", "<not recorded>"))
+            forward, module, location = self.stamps.find(node) or (None, "", "<not recorded>")
         written_ids = {id(t) for t in written}
         inputs = _tensors((args, kwargs))
         # Written arguments count as inputs by what they held before the op.
@@ -486,8 +590,12 @@ class detect_anomaly(contextlib.ContextDecorator):
         with contextlib.ExitStack() as stack:
             stack.enter_context(modules)
             stack.enter_context(torch.compiler.set_stance("force_eager"))
-            stack.enter_context(_ForwardStamps(modules))
-            stack.enter_context(_Checker(modules, self.check_inf, self.allow))
+            if _OBSERVER is not None:
+                observer = stack.enter_context(_Observer(modules, self.check_inf, self.allow))
+                observer.stamps = stack.enter_context(_ForwardStamps(modules, observer))
+            else:
+                stamps = stack.enter_context(_ForwardStamps(modules))
+                stack.enter_context(_Checker(modules, stamps, self.check_inf, self.allow))
             self._stacks.append(stack.pop_all())
         _ACTIVE.append(self)
         return self

@@ -124,3 +124,16 @@ def triton_refusal_words(device):
     if device == "cpu":
         return ("CPU tensors only", "unset TRITON_INTERPRET")
     return ("CUDA tensors only", "set TRITON_INTERPRET=1")
+
+
+@pytest.fixture(params=["observer", "dispatch_mode"])
+def debug_checker(request, monkeypatch):
+    """nanfree.debug.detect_anomaly with each of its per-op checks: the C++
+    observer (csrc/debug_observer.cpp) and the TorchDispatchMode used without it."""
+    import nanfree.debug
+
+    if request.param == "dispatch_mode":
+        monkeypatch.setattr(nanfree.debug, "_OBSERVER", None)
+    elif nanfree.debug._OBSERVER is None:
+        pytest.fail("nanfree._C (the C++ observer of nanfree.debug) is not built")
+    return request.param

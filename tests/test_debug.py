@@ -13,6 +13,8 @@ from nanfree.debug import NonFiniteError, detect_anomaly
 # Only torch's own kernels run in these tests (the checks are Python around
 # every op), except where marked: the same in every backend's pass.
 independent = pytest.mark.backend_independent
+# Every test with each of the region's per-op checks (conftest.py: debug_checker).
+pytestmark = pytest.mark.usefixtures("debug_checker")
 
 
 def _line_of(fn, text):

@@ -7,7 +7,8 @@ from debug_corpus import CASES, nanfree_report
 
 # Only torch's kernels run (the checks are Python around each op): the same in
 # every backend's pass.
-pytestmark = pytest.mark.backend_independent
+# Each case with each of the region's per-op checks (conftest.py: debug_checker).
+pytestmark = [pytest.mark.backend_independent, pytest.mark.usefixtures("debug_checker")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
