@@ -90,16 +90,19 @@ def test_chain_rule(device, op, dtype):
     edge = {"sqrt": 0.0, "log": 0.0, "log1p": -1.0, "acos": 1.0, "asin": -1.0}[op]
     near = {"sqrt": info.tiny, "log": info.tiny, "log1p": -1.0 + info.eps,
             "acos": 1.0 - info.eps, "asin": -1.0 + info.eps}[op]
-    x = torch.tensor([edge, edge, edge, near, near, near, 0.25, 0.25], dtype=dtype,
-                     device=device, requires_grad=True)
-    g = torch.tensor([INF, -INF, NAN, info.max, -info.max, 0.0, NAN, info.max], dtype=dtype,
-                     device=device)
+    # The last three: infinite upstream gradients at +inf, where every derivative is 0
+    # (log's gradient, g / x, would be inf / inf there), and below every domain.
+    x = torch.tensor([edge, edge, edge, near, near, near, 0.25, 0.25, INF, INF, -2.0],
+                     dtype=dtype, device=device, requires_grad=True)
+    g = torch.tensor([INF, -INF, NAN, info.max, -info.max, 0.0, NAN, info.max, INF, -INF, INF],
+                     dtype=dtype, device=device)
     (grad,) = torch.autograd.grad(getattr(nf, op)(x), x, g)
     bound = info.max
     expected = [oracle.chain(gv, oracle.UNARY[op](xv)[1], bound)
                 for gv, xv in zip(g.double().tolist(), x.detach().double().tolist())]
     _assert_matches(grad.cpu(), expected, dtype, f"{op} chain rule")
     assert grad[:2].eq(0).all() and grad[2].isnan() and grad[6].isnan()
+    assert grad[8:].eq(0).all()
     assert torch.isfinite(grad[[0, 1, 3, 4, 5, 7]]).all()
 
 

@@ -126,6 +126,14 @@ def chain_rule(g, d, bound):
     return saturate(masked, bound)
 
 
+def log_gradient(g, x, bound):
+    """chain_rule(g, log_derivative(x), bound) as g / x (one rounding): 0 where the
+    derivative is 0 (x <= 0; x beyond bound is +inf) unless g is NaN (an infinite g
+    would make inf / inf), else g / x saturated (rule 5); NaN passes (rule 7)."""
+    zero = ((x <= 0) | (x > bound)) & ~torch.isnan(g)
+    return saturate(_where(zero, 0.0, g / x), bound)
+
+
 _FUNCTIONS = {
     op: (globals()[f"{op}_value"], globals()[f"{op}_derivative"],
          globals()[f"{op}_second_derivative"])
@@ -143,9 +151,13 @@ def _unary(op, input):
 def _unary_backward(op, grad, input, order=1):
     _ew.check_unary_backward(op, grad, input, order)
     acc = acc_dtype(input.dtype)
-    d = _FUNCTIONS[op][order](input.to(acc))
     out = _ew.unary_output(input)
-    out.copy_(chain_rule(grad.to(acc), d, nf_largest(input.dtype)))
+    bound = nf_largest(input.dtype)
+    if op == "log" and order == 1:
+        out.copy_(log_gradient(grad.to(acc), input.to(acc), bound))
+        return out
+    d = _FUNCTIONS[op][order](input.to(acc))
+    out.copy_(chain_rule(grad.to(acc), d, bound))
     return out
 
 

@@ -259,9 +259,20 @@ def chain_rule(g, d, bound):
 
 
 @triton.jit
+def log_gradient(g, x, bound):
+    # chain_rule(g, log_derivative(x), bound) as g / x (one rounding): 0 where the
+    # derivative is 0 (x <= 0; x beyond bound is +inf) unless g is NaN (an infinite g
+    # would make inf / inf), else g / x saturated (rule 5); NaN passes (rule 7).
+    zero = ((x <= 0) | (x > bound)) & (g == g)
+    return saturate(tl.where(zero, 0.0, ieee_div(g, x)), bound)
+
+
+@triton.jit
 def unary_element(g, x, bound, OP: tl.constexpr, ORDER: tl.constexpr):
     if ORDER == 0:
         return unary_function(x, OP, 0)
+    elif OP == 1 and ORDER == 1:  # log's gradient
+        return log_gradient(g, x, bound)
     else:
         return chain_rule(g, unary_function(x, OP, ORDER), bound)
 

@@ -225,12 +225,29 @@ NF_HOST_DEVICE T chain_rule(T g, T d, T bound) {
   return nf_saturate(masked, bound);
 }
 
+// log's gradient: chain_rule(g, log_derivative(x), bound) with g * (1 / x)
+// computed as g / x (one rounding and one division, as torch's log backward):
+// 0 where the derivative is 0 (x <= 0: outside the domain or at 0, rules 2
+// and 3; x beyond `bound`, the largest finite value of x's dtype, is +inf,
+// where 1/x is 0) unless g is NaN, else g / x saturated to +-bound (rule 5);
+// NaN g or x gives NaN (rule 7).
+template <typename T>
+NF_HOST_DEVICE T log_gradient(T g, T x, T bound) {
+  // A zero derivative keeps a zero gradient against an infinite g (inf / inf is NaN).
+  const T q = nf_where(((x <= T(0)) | (x > bound)) & (g == g), T(0), g / x);
+  return nf_saturate(q, bound);  // beyond the range: +-bound; NaN stays
+}
+
 // One element of <op> (order 0: the value at x; g is not read) or of
-// <op>_backward (order 1 or 2: the chain rule of g and that derivative).
+// <op>_backward (order 1 or 2: the chain rule of g and that derivative;
+// log's first order by log_gradient). `bound` is the largest finite value of
+// x's dtype.
 template <UnaryOp op, int order, typename T>
 NF_HOST_DEVICE T unary_element(T g, T x, T bound) {
   if constexpr (order == 0) {
     return unary_function<op, 0>(x);
+  } else if constexpr (op == UnaryOp::kLog && order == 1) {
+    return log_gradient(g, x, bound);
   } else {
     return chain_rule(g, unary_function<op, order>(x), bound);
   }
