@@ -362,7 +362,10 @@ class _Observer:
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if exc is None or isinstance(exc, RuntimeError):
+            # A region ending normally, or by a backward the node hook aborted (a
+            # RuntimeError); a NonFiniteError already raised is the first finding.
+            if exc is None or (isinstance(exc, RuntimeError)
+                               and not isinstance(exc, NonFiniteError)):
                 self.raise_first()
         finally:
             _OBSERVER.anomaly_observer_stop()
