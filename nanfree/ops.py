@@ -12,6 +12,7 @@ argument: ``TypeError`` for a wrong type or dtype, ``IndexError`` for a
 not broadcast or is on another device.
 """
 
+import math
 import struct
 import warnings
 
@@ -415,6 +416,9 @@ def asin(input, *, out=None):
     return _unary("asin", input, out)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _binary_operand(op, name, value, like):
     """A binary op's argument as a tensor: a tensor as it is; a number (numpy
     scalars included) as a 0-d tensor on like's device, made there without a
@@ -432,6 +436,12 @@ def _binary_operand(op, name, value, like):
     if type(value).__module__ == "numpy":  # a numpy scalar: its Python number
         value = value.item()
     dtype = like.dtype if like.dtype.is_floating_point else torch.get_default_dtype()
+    if ((type(value) is float and (dtype != torch.float32 or not math.isfinite(value)
+                                   or abs(value) <= _FLOAT32_MAX))
+            or (type(value) is int and abs(value) < 2**53)):
+        # Made in the dtype at once (a third of the time of the cast below):
+        # scalar_tensor rounds as the cast does, and refuses only float32 beyond its range.
+        return torch.scalar_tensor(value, dtype=dtype, device=like.device)
     # Made in float64 and cast: a number beyond the dtype's range is its infinity
     # (torch.full would refuse it), as in torch's own ops.
     return torch.full((), value, dtype=torch.float64, device=like.device).to(dtype)
