@@ -115,3 +115,28 @@ def test_bfloat16_results_below_float_normals_are_kept(device):
                      & (expected != 0)).any()), name  # the case holds denormal results
         torch.testing.assert_close(ours.cpu().float(), expected.cpu().float(), rtol=2 ** -8,
                                    atol=0, msg=name)
+
+
+def test_float32_log1p_within_one_ulp(device):
+    # log1p's value in float32 against float64's rounded to float32, from just
+    # above -1 through tiny (subnormal) magnitudes of both signs to 1e38: within
+    # one ulp of the rounded float64 value (torch's float log1p is within one
+    # ulp; the AVX-512 CPU kernel's, computed in double, within about half).
+    gen = torch.Generator().manual_seed(0)
+    u = torch.rand(4, 1 << 16, generator=gen, dtype=torch.float64)
+    x = torch.cat([
+        -1 + torch.exp2(-u[0] * 24),                  # just above -1
+        torch.exp2(u[1] * 200 - 150),                 # subnormal .. 2^50
+        -torch.exp2(-u[2] * 150),                     # small negatives
+        u[3] * 8 - 1,
+        torch.tensor([3e38, 1e38, 0.0, -0.0, -1.0]),
+    ]).float()
+    ours = nf.log1p(x.to(device)).cpu()
+    ref = torch.log1p(x.double())
+    ref32 = ref.float()
+    finite = torch.isfinite(ref32) & (ref32 != 0)
+    assert torch.equal(ours[~finite], ref32[~finite])
+    assert torch.equal(torch.signbit(ours[ref32 == 0]), torch.signbit(ref32[ref32 == 0]))  # -0 kept
+    spacing = (torch.nextafter(ref32[finite].abs(), torch.tensor(math.inf)) - ref32[finite].abs()).double()
+    err = (ours[finite].double() - ref[finite]).abs() / spacing
+    assert float(err.max()) <= 1.0, f"log1p: {float(err.max())} ulp"

@@ -41,6 +41,20 @@ Vec<at::opmath_type<scalar_t>> load_run(const char* ptr, bool broadcast, int64_t
   return cpu::load_vec(p + j, count);
 }
 
+// Stores two accumulation-type vectors at p: float16 / bfloat16 as one full
+// vector of scalar_t (two half-width stores would each take the partial-store path).
+template <typename scalar_t>
+void store_pair(const Vec<at::opmath_type<scalar_t>>& v0, const Vec<at::opmath_type<scalar_t>>& v1,
+                scalar_t* p) {
+  using V = Vec<at::opmath_type<scalar_t>>;
+  if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
+    v0.store(p);
+    v1.store(p + V::size());
+  } else {
+    cpu::narrow_pair<scalar_t>(v0, v1).store(p);
+  }
+}
+
 // One element of <op> or <op>_backward: binary_element of the header.
 template <BinaryOp op, int order, int partial>
 struct BinaryElement {
@@ -105,8 +119,8 @@ void binary_loop(at::TensorIteratorBase& iter) {
             g1 = load_run<scalar_t>(g_ptr, g_scalar, k, V::size());
           }
           int t = 0;
-          ((cpu::store_vec<scalar_t>(Elements::apply(g0, a0, b0, bound_vec), outs[t] + j, V::size()),
-            cpu::store_vec<scalar_t>(Elements::apply(g1, a1, b1, bound_vec), outs[t] + k, V::size()),
+          ((store_pair<scalar_t>(Elements::apply(g0, a0, b0, bound_vec), Elements::apply(g1, a1, b1, bound_vec),
+                                 outs[t] + j),
             ++t),
            ...);
         }

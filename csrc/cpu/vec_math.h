@@ -9,6 +9,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "cpu/vec.h"
+#include "cpu/vec_double_math.h"
 
 namespace nanfree {
 
@@ -21,6 +22,11 @@ at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::ve
 template <typename T>
 at::vec::Vectorized<T> nf_saturate(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& bound) {
   return cpu::saturate_vec(x, bound, at::vec::Vectorized<T>(T(0)) - bound);
+}
+// numerics.h's nf_clamp_min: ATen's clamp_min, whose max(lo, x) returns x where x is NaN.
+template <typename T>
+at::vec::Vectorized<T> nf_clamp_min(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& lo) {
+  return at::vec::clamp_min(x, lo);
 }
 template <typename T>
 at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
@@ -42,6 +48,16 @@ template <typename T>
 at::vec::Vectorized<T> nf_pow(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& y) {
   return x.pow(y);
 }
+#if defined(CPU_CAPABILITY_AVX512)
+// float pow and log1p: vec_double_math.h's, in double arithmetic (correctly
+// rounded but for rare ties, faster than Sleef's, which ATen's float ones call).
+inline at::vec::Vectorized<float> nf_pow(const at::vec::Vectorized<float>& x, const at::vec::Vectorized<float>& y) {
+  return cpu::pow_float_vec(x, y);
+}
+inline at::vec::Vectorized<float> nf_log1p(const at::vec::Vectorized<float>& x) {
+  return cpu::log1p_float_vec(x);
+}
+#endif
 template <typename T>
 at::vec::Vectorized<T> nf_atan2(const at::vec::Vectorized<T>& a, const at::vec::Vectorized<T>& b) {
   return a.atan2(b);

@@ -41,7 +41,7 @@ enum class UnaryOp : int { kSqrt = 0, kLog = 1, kLog1p = 2, kAcos = 3, kAsin = 4
 // The point of the domain the op is evaluated at (rule 2: the nearest one).
 template <typename T>
 NF_HOST_DEVICE T sqrt_domain(T x) {
-  return nf_where(x < T(0), T(0), x);  // below the domain: sqrt(0) (rule 2)
+  return nf_clamp_min(x, T(0));  // below the domain: sqrt(0) (rule 2)
 }
 
 template <typename T>
@@ -88,7 +88,7 @@ NF_HOST_DEVICE T log_second_derivative(T x) {
 
 template <typename T>
 NF_HOST_DEVICE T log1p_domain(T x) {
-  return nf_where(x < T(-1), T(-1), x);  // below the domain: log1p(-1) = -inf (rule 2)
+  return nf_clamp_min(x, T(-1));  // below the domain: log1p(-1) = -inf (rule 2)
 }
 
 template <typename T>

@@ -86,6 +86,16 @@ NF_HOST_DEVICE T nf_saturate(T x, T bound) {
   return saturate(x, bound);
 }
 
+// x below lo raised to lo; NaN stays NaN: a domain's clamp. For the templates
+// that the CPU kernels also instantiate with ATen vectors (there:
+// csrc/cpu/vec_math.h's overload, one max instruction, where ATen's compare and
+// blend of lane masks made the AVX-512 loops after them up to 2x slower:
+// docs/elementwise.md).
+template <typename T>
+NF_HOST_DEVICE T nf_clamp_min(T x, T lo) {
+  return x < lo ? lo : x;
+}
+
 // The eps the accumulation type works with: one below its smallest normal
 // (even one the caller passes, say 1e-45 in float) is raised to it, so 1/eps,
 // log(eps) and m / eps stay finite.
