@@ -98,16 +98,6 @@ def _internal(filename):
     return path.startswith(_STDLIB) and not path.startswith(_SITE)
 
 
-def _user_location():
-    """'file:line' of the innermost frame outside torch and nanfree."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not _internal(frame.f_code.co_filename):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
-
-
 def _source(location):
     path, _, line = location.rpartition(":")
     text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
@@ -190,42 +180,62 @@ def _op_name(func):
     return name[:-len(".default")] if name.endswith(".default") else name
 
 
+# The code of nn.Module's __call__ body: each frame running it is a module being
+# run, its `self` the module.
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
 class _ModuleStack:
-    """Qualified names of the modules being run (their forward), innermost last."""
+    """Qualified names of the modules being run, read from the Python stack: each
+    frame of nn.Module's __call__ is a module running (no module hooks: torch's
+    global hooks cost every module call of the region a few microseconds)."""
 
-    def __init__(self):
-        self.stack = []
-        self.names = weakref.WeakKeyDictionary()
+    def __init__(self, names=None):
+        # module -> path: the model's (kept across regions), or this region's own.
+        self.names = weakref.WeakKeyDictionary() if names is None else names
         self.below = weakref.WeakKeyDictionary()  # parent -> _descendants(parent)
-        self.handles = []
 
-    def __enter__(self):
-        hooks = torch.nn.modules.module
-        self.handles = [hooks.register_module_forward_pre_hook(self._enter),
-                        hooks.register_module_forward_hook(self._leave, always_call=True)]
-        return self
+    def locate(self, frame):
+        """(innermost module's path, 'file:line' of the innermost user frame) of
+        the code running at `frame`, in one walk of the stack; the path is ''
+        outside every module, the class name for the root of an unnamed tree."""
+        location = None
+        running = []  # modules, innermost first, up to the first with a path
+        known = False  # running[-1] has a path: the outer ones are not needed
+        while frame is not None:
+            code = frame.f_code
+            if code is _CALL_IMPL:
+                if not known:
+                    module = frame.f_locals.get("self")
+                    if module is not None:
+                        running.append(module)
+                        known = module in self.names
+            elif location is None and not _internal(code.co_filename):
+                location = f"{code.co_filename}:{frame.f_lineno}"
+            if known and location is not None:
+                break
+            frame = frame.f_back
+        return self._path(running), location or "<unknown>"
 
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.stack.clear()
-
-    def _enter(self, module, args):
-        name = self.names.get(module)
-        if name is None:
-            child = type(module).__name__
-            if self.stack:
-                parent_name, parent = self.stack[-1]
-                # A descendant, not only a child: containers (ModuleList) are not run.
-                child = self._descendants(parent).get(module, child)
-                name = f"{parent_name}.{child}" if parent_name else child
-            else:
-                name = child
-            # Kept for the region: a module run again (every step of a loop)
-            # is not searched for again; one reached from two parents keeps
-            # the path it was first run under.
-            self.names[module] = name
-        self.stack.append((name, module))
+    def _path(self, running):
+        if not running:
+            return ""
+        # Named from the innermost module with a path (or the outermost, a root
+        # named by its class) inwards: a descendant, not only a child, as
+        # containers (ModuleList) are not run. Kept: a module run again (every
+        # step of a loop) is not searched for again; one reached from two
+        # parents keeps the path it was first run under.
+        parent = running[-1]
+        parent_name = self.names.get(parent)
+        if parent_name is None:
+            parent_name = self.names[parent] = type(parent).__name__
+        for module in reversed(running[:-1]):
+            name = self.names.get(module)
+            if name is None:
+                child = self._descendants(parent).get(module, type(module).__name__)
+                name = self.names[module] = f"{parent_name}.{child}" if parent_name else child
+            parent, parent_name = module, name
+        return parent_name or type(parent).__name__
 
     def _descendants(self, parent):
         """{module: its path below parent}, one walk of parent's tree per region."""
@@ -237,17 +247,6 @@ class _ModuleStack:
                     found[m] = n
             self.below[parent] = found
         return found
-
-    def _leave(self, module, args, output):
-        if self.stack and self.stack[-1][1] is module:
-            self.stack.pop()
-
-    def path(self):
-        """The innermost module's path ('' for the root of `model`: its class name)."""
-        if not self.stack:
-            return ""
-        name, module = self.stack[-1]
-        return name or type(module).__name__
 
 
 def _call_name(func):
@@ -295,7 +294,7 @@ class _ForwardStamps(TorchFunctionMode):
         else:
             end = _next_sequence_nr()
             if end != first:
-                self.stamps.append((first, end, func, self.modules.path(), _user_location()))
+                self.stamps.append((first, end, func, *self.modules.locate(sys._getframe(1))))
         return out
 
     def find(self, node):
@@ -322,7 +321,7 @@ class _ForwardStamps(TorchFunctionMode):
                 if node is None or _META_KEY in node.metadata \
                         or type(node).__name__ == "AccumulateGrad":
                     continue
-                stamp = stamp or (_call_name(func), self.modules.path(), _user_location())
+                stamp = stamp or (_call_name(func), *self.modules.locate(sys._getframe(1)))
                 node.metadata[_META_KEY] = stamp
                 todo += [n for n, _ in node.next_functions]
 
@@ -378,8 +377,8 @@ class _Observer:
         for f in _OBSERVER.anomaly_take_confirmed():
             node = f["node"]
             if node is None:
-                phase, forward, module, location = ("forward", None, self.modules.path(),
-                                                    _user_location())
+                module, location = self.modules.locate(sys._getframe(1))
+                phase, forward = "forward", None
             else:
                 phase = "backward"
                 forward, module, location = self.stamps.find(node) or (None, "", "<not recorded>")
@@ -479,7 +478,8 @@ class _Checker(TorchDispatchMode):
         op = _op_name(func)
         node = torch._C._current_autograd_node()
         if node is None:
-            phase, forward, module, location = "forward", None, self.modules.path(), _user_location()
+            module, location = self.modules.locate(sys._getframe(1))
+            phase, forward = "forward", None
         else:
             phase = "backward"
             forward, module, location = self.stamps.find(node) or (None, "", "<not recorded>")
@@ -548,6 +548,22 @@ def _error(op, phase, node, forward, module, location, inputs, outputs, offendin
 
 _WARNED_COMPILE = []
 _ACTIVE = []  # the region being run (one at a time: nested ones run under it)
+# model -> {submodule: its path}, walked once per model, not at each region (a
+# training loop enters one per step). A submodule added later is found by its
+# parent's search when it runs (_ModuleStack._path).
+_MODEL_NAMES = weakref.WeakKeyDictionary()
+
+
+def _model_names(model):
+    names = _MODEL_NAMES.get(model)
+    if names is None:
+        names = weakref.WeakKeyDictionary()
+        names[model] = ""
+        for name, sub in model.named_modules():
+            if name:
+                names.setdefault(sub, name)
+        _MODEL_NAMES[model] = names
+    return names
 
 
 class detect_anomaly(contextlib.ContextDecorator):
@@ -583,15 +599,9 @@ class detect_anomaly(contextlib.ContextDecorator):
             _WARNED_COMPILE.append(True)
             warnings.warn("nanfree.debug.detect_anomaly: code compiled with torch.compile runs "
                           "eagerly inside the region, so that every op is checked", stacklevel=2)
-        modules = _ModuleStack()
-        if self.model is not None:
-            modules.names[self.model] = ""
-            for name, sub in self.model.named_modules():
-                if name:
-                    modules.names.setdefault(sub, name)
+        modules = _ModuleStack(_model_names(self.model) if self.model is not None else None)
         # Built in a stack that undoes whatever was installed if a step fails.
         with contextlib.ExitStack() as stack:
-            stack.enter_context(modules)
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             if _OBSERVER is not None:
                 observer = stack.enter_context(_Observer(modules, self.check_inf, self.allow))

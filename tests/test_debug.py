@@ -78,6 +78,31 @@ def test_module_path_without_model_starts_at_the_outermost_class():
 
 
 @independent
+def test_module_paths_kept_across_regions_find_a_module_added_later():
+    # The model's paths are walked once and kept across regions; a submodule put
+    # in later is named by its parent's search when it runs, in the forward and
+    # (through the stamps) in the backward.
+    net = Net()
+    x = torch.randn(3, 4)
+    with detect_anomaly(model=net):
+        net.encoder.layers[0](x)  # finite: the model's paths are now kept
+    net.encoder.layers.append(torch.nn.Identity())
+    net.encoder.layers[1] = Attention()  # a new module object at the old place
+    with pytest.raises(NonFiniteError) as info, detect_anomaly(model=net):
+        net(x)
+    assert info.value.module == "encoder.layers.1" and info.value.phase == "forward"
+
+    class Sqrt(torch.nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x.abs() * 0)  # value 0, gradient inf at 0
+
+    net.encoder.layers[1] = Sqrt()
+    with pytest.raises(NonFiniteError) as info, detect_anomaly(model=net):
+        net(x).backward()
+    assert info.value.phase == "backward" and info.value.module == "encoder.layers.1"
+
+
+@independent
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_inf_names_the_node_and_its_forward_line(device):
     x = torch.tensor([0.0, 1.0], device=device, requires_grad=True)
