@@ -13,7 +13,11 @@ GradScaler's kernel), and skips the update on the device, without a host sync:
   step): the same result, at the cost of one copy of the parameters and state;
 - a step that would create optimizer state (a parameter's first) reads the flag
   once and, when set, does not call the optimizer: a skipped first step leaves
-  no state behind.
+  no state behind;
+- on the CPU (the flag and every parameter CPU tensors) an optimizer without
+  ``found_inf`` is called or not by the flag's value, read on the host: a CPU
+  tensor's value is there when the check returns, so the read waits for no
+  device, and the step costs no copy.
 
 With ``clip_norm``, the gradients are clipped by their total norm first, with a
 coefficient that a non-finite norm cannot turn into NaN or 0 in every gradient
@@ -23,8 +27,10 @@ skipped anyway).
 
 Skips are counted on the device (``skipped``); every ``log_every`` steps the
 count is read (one sync) and a new skip is logged as a warning, and reading
-``skipped_steps`` syncs too: never silent. The optimizer's ``step`` is called
-on every step, so LR schedulers stay in step.
+``skipped_steps`` syncs too: never silent. On an accelerator the optimizer's
+``step`` is called on every step but a skipped first one (on the CPU, on every
+step that is not skipped); an LR scheduler stepped by the loop stays in step
+either way.
 
 ``guard.step(closure)`` runs the closure (forward and backward, returning the
 loss) itself; with ``locate=True`` a skipped step is run again under
@@ -96,6 +102,11 @@ class FiniteGuard:
         self._skipped_before = 0  # skips counted before a load_state_dict
         self._logged = 0
         self.last_report = None  # the first skipped step's report (False: not reproducible)
+        # Where the flag and every parameter are CPU tensors, the flag's value is on the
+        # host when it is computed (no device to wait for): the step runs or not by it.
+        # False: the device path (restore) there too; the tests use it to check that
+        # path's results and its absence of reads on CPU.
+        self._read_host_flag = True
 
     # The optimizer's interface, passed through (an LR scheduler takes
     # guard.optimizer: the guard is not an Optimizer).
@@ -222,6 +233,11 @@ class FiniteGuard:
         """Whether the step would create state for a parameter (its first step)."""
         return any(len(self.optimizer.state.get(p, {})) == 0 for p in params)
 
+    def _on_host(self, found):
+        """Whether the flag and every parameter (so their optimizer state) are on the CPU."""
+        return self._read_host_flag and found.device.type == "cpu" and all(
+            p.device.type == "cpu" for group in self.optimizer.param_groups for p in group["params"])
+
     def _call_step(self, closure):
         # An optimizer whose step needs the closure (LBFGS) gets it.
         if closure is not None and isinstance(self.optimizer, torch.optim.LBFGS):
@@ -270,10 +286,12 @@ class FiniteGuard:
         found = self._agreed(self._found(params, loss))
         if self.clip_norm is not None:
             self._clip(params, found)
-        if self._first_state(params):
+        if self._first_state(params) or (not self._native_found_inf() and self._on_host(found)):
             # The step would create state (a first step): a skipped one must create
             # none (fused SGD's momentum buffer is allocated, not written, when it
-            # skips). One sync, on such steps only.
+            # skips). One sync, on such steps only. On the CPU (_on_host) reading the
+            # flag waits for nothing: an optimizer without found_inf steps or not by it
+            # instead of stepping and restoring.
             if not bool(found):
                 self._call_step(closure)
         elif self._native_found_inf():

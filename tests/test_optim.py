@@ -1,6 +1,7 @@
 """nanfree.optim.FiniteGuard: a step with a non-finite loss or gradient is skipped on
 the device, every other step is the optimizer's own."""
 
+import collections
 import copy
 import warnings
 
@@ -50,12 +51,16 @@ def _state_tensors(optimizer):
             if isinstance(v, torch.Tensor)]
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_skips_exactly_the_non_finite_steps(name):
+def test_skips_exactly_the_non_finite_steps(name, path):
+    # "host": the CPU's way, the optimizer called or not by the flag's value;
+    # "device": an accelerator's, stepped and restored where the flag is set.
     batches = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     plain_model, guarded_model = _model(), _model()
     plain = OPTIMIZERS[name](plain_model.parameters())
     guard = FiniteGuard(OPTIMIZERS[name](guarded_model.parameters()), log_every=0)
+    guard._read_host_flag = path == "host"
     for i, x in enumerate(batches):
         _grads(guarded_model, x)
         if i in (0, 2):  # an inf gradient, first step included (state not made yet)
@@ -275,19 +280,25 @@ def test_every_rank_skips_the_same_steps(tmp_path):
 # --- no host sync in a steady step ------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["device", "host"])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip):
+def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip, path):
     # The ways a step could wait for the device: reading a tensor's value on
     # the host. After the first step (which reads the flag once, so that a
-    # skipped first step creates no state), a guarded step, skipped or not,
-    # reads nothing more than the plain optimizer's own step does (for-loop
-    # Adam reads its step counters; on a GPU each read would be a sync).
+    # skipped first step creates no state), a guarded step on the device path
+    # (an accelerator's, forced here on CPU tensors), skipped or not, reads
+    # nothing more than the plain optimizer's own step does (for-loop Adam reads
+    # its step counters; on a GPU each read would be a sync). On the CPU's path
+    # an optimizer without found_inf adds one read of the flag per step (a CPU
+    # tensor: it waits for nothing) and fused Adam none.
     def run(guarded):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
         guard = FiniteGuard(optimizer, clip_norm=clip, log_every=0) if guarded else None
+        if guarded:
+            guard._read_host_flag = path == "host"
         x = torch.randn(5, 4)
 
         def step(bad):
@@ -316,5 +327,11 @@ def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip):
 
     plain, _ = run(False)
     guarded, guard = run(True)
-    assert guarded == plain, (guarded, plain)
+    if path == "host" and not fused:
+        # Beyond the reads of the optimizer's own steps (fewer: the skipped ones
+        # do not run), one read of the flag per step.
+        extra = collections.Counter(guarded) - collections.Counter(plain)
+        assert extra == collections.Counter({"__bool__": 4}), (guarded, plain)
+    else:
+        assert guarded == plain, (guarded, plain)
     assert guard.skipped_steps == 2
