@@ -101,26 +101,22 @@ inline __m512d log1p(const __m512d d) {
   return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(_mm512_abs_pd(d), _mm512_set1_pd(0x1p-29), _CMP_LT_OQ), ln, d);
 }
 
-// f of the two halves of a float vector, widened and rounded back.
-template <typename F>
-inline __m512 on_halves(const __m512 x, F f) {
-  const __m512d low = f(_mm512_cvtps_pd(_mm512_castps512_ps256(x)));
-  const __m512d high = f(_mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1)));
+// The low and high halves of a float vector, widened to double.
+inline __m512d low_half(const __m512 x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+inline __m512d high_half(const __m512 x) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1)); }
+
+// Two halves rounded to float and joined, low first.
+inline __m512 join_halves(const __m512d low, const __m512d high) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(low)), _mm512_cvtpd_ps(high), 1);
 }
 
 }  // namespace double_math
 
 inline Vec<float> pow_float_vec(const Vec<float>& a_vec, const Vec<float>& b_vec) {
+  namespace dm = double_math;
   const __m512 a = a_vec, b = b_vec;
-  const __m512d b_low = _mm512_cvtps_pd(_mm512_castps512_ps256(b));
-  const __m512d b_high = _mm512_cvtps_pd(_mm512_extractf32x8_ps(b, 1));
-  bool high = false;
-  __m512 r = double_math::on_halves(a, [&](const __m512d a_half) {
-    const __m512d power = double_math::abs_pow(a_half, high ? b_high : b_low);
-    high = true;
-    return power;
-  });
+  __m512 r = dm::join_halves(dm::abs_pow(dm::low_half(a), dm::low_half(b)),
+                             dm::abs_pow(dm::high_half(a), dm::high_half(b)));
   // Integer b (+-inf counts, as in C), and odd among them: below 2^24 a float's half is exact.
   const __m512 half = _mm512_mul_ps(b, _mm512_set1_ps(0.5f));
   constexpr int kTrunc = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
@@ -136,7 +132,9 @@ inline Vec<float> pow_float_vec(const Vec<float>& a_vec, const Vec<float>& b_vec
 
 // C's log1pf of 16 floats.
 inline Vec<float> log1p_float_vec(const Vec<float>& d) {
-  return Vec<float>(double_math::on_halves(d, [](const __m512d half) { return double_math::log1p(half); }));
+  namespace dm = double_math;
+  const __m512 x = d;
+  return Vec<float>(dm::join_halves(dm::log1p(dm::low_half(x)), dm::log1p(dm::high_half(x))));
 }
 
 }  // namespace cpu
