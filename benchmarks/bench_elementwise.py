@@ -23,7 +23,7 @@ benchmarks/results/<machine>/elementwise.{csv,png,md}.
     python benchmarks/bench_elementwise.py --quick  # smoke run (seconds)
 
 The default run: sqrt and log at 4M and 64M elements (64M: 256 MB of float32, past
-the last-level cache) in float32 and bfloat16, the other unary ops at 4M float32,
+the last-level cache of most CPUs, not of one with a 480 MiB L3) in float32 and bfloat16, the other unary ops at 4M float32,
 pow with a tensor exponent and xlogy also at 4M bfloat16, every binary op at 4M
 float32, and the safe-distance block; --full: every binary op at both sizes in
 float32 and bfloat16.
