@@ -180,6 +180,16 @@ def _op_name(func):
     return name[:-len(".default")] if name.endswith(".default") else name
 
 
+def _paths_below(parent):
+    """{module: its path below parent} for parent's descendants (the first path of
+    one reached twice), in a WeakKeyDictionary."""
+    found = weakref.WeakKeyDictionary()
+    for name, module in parent.named_modules():
+        if name and module not in found:
+            found[module] = name
+    return found
+
+
 # The code of nn.Module's __call__ body: each frame running it is a module being
 # run, its `self` the module.
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -241,11 +251,7 @@ class _ModuleStack:
         """{module: its path below parent}, one walk of parent's tree per region."""
         found = self.below.get(parent)
         if found is None:
-            found = weakref.WeakKeyDictionary()
-            for n, m in parent.named_modules():
-                if n and m not in found:
-                    found[m] = n
-            self.below[parent] = found
+            found = self.below[parent] = _paths_below(parent)
         return found
 
 
@@ -557,12 +563,8 @@ _MODEL_NAMES = weakref.WeakKeyDictionary()
 def _model_names(model):
     names = _MODEL_NAMES.get(model)
     if names is None:
-        names = weakref.WeakKeyDictionary()
+        names = _MODEL_NAMES[model] = _paths_below(model)
         names[model] = ""
-        for name, sub in model.named_modules():
-            if name:
-                names.setdefault(sub, name)
-        _MODEL_NAMES[model] = names
     return names
 
 

@@ -25,8 +25,8 @@
 // they give the value of log, acos and asin at the op's domain clamp (about 1
 // ulp, several times faster than Sleef's AVX-512 functions on CPUs of this
 // kind), and of log1p in float64 and where float has no AVX-512 (in float on
-// AVX-512: vec_double_math.h's log1p, through the vector loop). The length is passed as 64-bit, right for MKL's LP64 and ILP64
-// interfaces for lengths below 2^31 (a chunk of kVmlChunk here). The mode is
+// AVX-512: vec_double_math.h's log1p, through the vector loop). The length is
+// passed as 64-bit, right for MKL's LP64 and ILP64 interfaces for lengths below 2^31 (a chunk of kVmlChunk here). The mode is
 // ATen's: high accuracy (VML_HA), subnormals kept (VML_FTZDAZ_OFF: a float
 // input of 1e-45 is not 0), no error handling (VML_ERRMODE_IGNORE: log(0) and
 // the like set no status; without it they are slower and serialize threads).
@@ -56,19 +56,19 @@ constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF
 template <UnaryOp op, typename T>
 VmlFunction<T> vml_function() {
   constexpr bool is_float = std::is_same_v<T, float>;
-  if constexpr (op == UnaryOp::kLog) {
-    if constexpr (is_float) return &vmsLn; else return &vmdLn;
-  } else if constexpr (op == UnaryOp::kLog1p) {
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (is_float) return nullptr;  // vec_double_math.h's log1p: faster, within half an ulp
+  constexpr bool own_log1p = is_float;  // vec_double_math.h's log1p: faster, within half an ulp
+#else
+  constexpr bool own_log1p = false;
 #endif
+  if constexpr (op == UnaryOp::kLog || (op == UnaryOp::kLog1p && !own_log1p)) {
     if constexpr (is_float) return &vmsLn; else return &vmdLn;
   } else if constexpr (op == UnaryOp::kAcos) {
     if constexpr (is_float) return &vmsAcos; else return &vmdAcos;
   } else if constexpr (op == UnaryOp::kAsin) {
     if constexpr (is_float) return &vmsAsin; else return &vmdAsin;
   }
-  return nullptr;  // sqrt: one vector instruction already
+  return nullptr;  // sqrt (one vector instruction already); log1p of own_log1p
 }
 
 // log1p(d) from u = 1 + d (rounded) and ln(u): ln(u) - ((u - 1) - d) / u
