@@ -1,7 +1,7 @@
 // Every nanfree operator schema, defined once. Kernels are registered per
 // device by csrc/cpu/<family>*.cpp, csrc/cuda/<family>.cpp and (Triton, pure
 // torch) by nanfree/_backends.py; once for every backend, the autograd by
-// csrc/<family>.cpp (the MNR loss's by nanfree/_ops/mnr.py), the autocast by
+// csrc/<family>.cpp (the losses family's by nanfree/_ops/losses.py), the autocast by
 // csrc/autocast.cpp and the fake kernels by nanfree/_ops/<family>.py.
 #include <torch/library.h>
 

@@ -17,7 +17,6 @@ from mnr_oracle import composed_mnr_loss
 from torch.library import opcheck
 
 import nanfree.ops as nf
-from nanfree._ops import mnr as mnr_ops
 
 # Under Triton's interpreter every kernel launch runs in numpy: gradcheck's
 # fast mode checks a random projection of the Jacobian.
@@ -546,16 +545,22 @@ def test_huge_upstream_gradient_stays_finite_and_linear(device, dtype, reduction
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_gradient_scaled_on_cpu_as_through_float32(dtype):
-    # The CPU backward multiplies a half gradient by the float32 upstream
-    # directly (mnr.scaled_saved_gradient): the result must be the float32
-    # product saturated and rounded once, as through a float32 copy, for
-    # factors no half dtype holds, products past the range, NaN and zeros.
+    # The CPU backward multiplies the half gradients computed for an upstream 1
+    # by the float32 upstream directly (scaled_saved_gradient of csrc/mnr.cpp):
+    # the result must be the float32 product saturated and rounded once, as
+    # through a float32 copy, for factors no half dtype holds, products past
+    # the range, NaN and zeros.
     big = torch.finfo(dtype).max
-    grad = torch.cat([torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 100,
-                      torch.tensor([0.0, -0.0, big, -big, float("nan"), 1e-30, 3.0])]).to(dtype)
-    for value in (1.0, 1.0001, -1.7001, 3e38, -3e38, 2.0 ** -100, 1e-45, 0.0):
+    gen = torch.Generator().manual_seed(3)
+    q, p = (torch.randn(64, 32, generator=gen).to(dtype) for _ in range(2))
+    # The op's arguments for nf.mnr_loss(q, p): scale 20, mean, with gradients.
+    _, _, gq1, gp1, _ = torch.ops.nanfree.mnr_loss(q, [p], None, 20.0, 0, 64, 1, 1, False, 0,
+                                                   0.0, 1, True)
+    for value in (1.0, 1.0001, -1.7001, 3e38, -3e38, 2.0 ** -100, 1e-45, 0.0, float("nan")):
         factor = torch.tensor(value, dtype=torch.float32)
-        ours = mnr_ops.scaled_saved_gradient(grad, factor)
-        expected = (grad.float() * factor).clamp_(-big, big).to(dtype)
-        assert ours.dtype == dtype
-        torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)
+        qg, pg = (t.clone().requires_grad_(True) for t in (q, p))
+        ours = torch.autograd.grad(nf.mnr_loss(qg, pg), (qg, pg), factor)
+        for got, g1 in zip(ours, (gq1, gp1)):
+            expected = (g1.float() * factor).clamp_(-big, big).to(dtype)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)

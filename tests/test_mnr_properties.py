@@ -361,9 +361,11 @@ def test_documents_are_read_in_place(device, reduction, negatives):
     ns = [torch.randn(*shape, generator=gen).to(device).requires_grad_(True)
           for _ in range(k if negatives == "columns" else 1)]
     n = ns if negatives == "columns" else ns[0]
-    loss = nf.mnr_loss(q, p, n, reduction=reduction)
+    packed = []  # every tensor the loss's node saves
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        loss = nf.mnr_loss(q, p, n, reduction=reduction)
     if reduction == "none":
-        saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
+        saved = [t for t in packed if t is not None]
         docs_sized = [t.shape for t in saved if t.numel() >= p.numel() + ns[0].numel()]
         assert not docs_sized, f"saved tensors of the docs' size: {docs_sized}"
         pointers = {t.data_ptr() for t in saved}
@@ -406,13 +408,44 @@ def test_reduced_backward_allocates_each_gradient_once():
     # With a reduced loss the forward already holds the gradients of an
     # upstream 1; the backward's only sizable allocations are the gradients it
     # returns (scaled and saturated in place; no zero gradients materialized for
-    # the op's other outputs).
+    # the op's other outputs), and for an upstream 1 on the CPU (backward() of
+    # the loss itself) none: it returns the gradients the forward made.
     gen = torch.Generator().manual_seed(0)
     q, p = (torch.randn(64, 32, generator=gen).requires_grad_(True) for _ in range(2))
+    for upstream in (2.0, 1.0):
+        loss = nf.mnr_loss(q, p)
+        grads, allocated = cpu_allocated_bytes(
+            lambda: torch.autograd.grad(loss, (q, p), torch.tensor(upstream)))
+        gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
+        if upstream == 1.0:
+            assert allocated < 0.05 * gradient_bytes, (allocated, gradient_bytes)
+        else:
+            assert gradient_bytes <= allocated <= 1.25 * gradient_bytes, (allocated, gradient_bytes)
+
+
+def test_gradients_handed_out_for_an_upstream_one_keep_retained_graphs_safe():
+    # The backward for an upstream 1 on the CPU returns the gradients the
+    # forward saved. Without retain_graph they are the caller's alone; with it,
+    # backward() twice accumulates correctly, and a gradient modified in place
+    # before differentiating again fails autograd's version check (never a
+    # silently changed second gradient).
+    gen = torch.Generator().manual_seed(1)
+    q, p = (torch.randn(16, 8, generator=gen).requires_grad_(True) for _ in range(2))
     loss = nf.mnr_loss(q, p)
-    grads, allocated = cpu_allocated_bytes(lambda: torch.autograd.grad(loss, (q, p)))
-    gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
-    assert gradient_bytes <= allocated <= 1.25 * gradient_bytes, (allocated, gradient_bytes)
+    loss.backward(retain_graph=True)
+    first = q.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(q.grad, 2 * first)
+    loss = nf.mnr_loss(q, p)
+    (gq,) = torch.autograd.grad(loss, (q,), retain_graph=True)
+    torch.testing.assert_close(gq, first)
+    gq.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (q,))
+    loss = nf.mnr_loss(q, p)
+    (gq,) = torch.autograd.grad(loss, (q,))
+    gq.mul_(2)  # the caller's own: nothing else reads it
+    torch.testing.assert_close(gq, 2 * first)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,17 +18,22 @@
 //     accumulator, which fewer, larger chunks read and write fewer times).
 //   static at::Tensor operand(const at::Tensor& matrix);
 //     the GEMM operand of an input [n, d] matrix (e.g. the acc dtype on CPU).
-//   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns);
-//     rows @ columns^T as a contiguous acc_t matrix.
+//   static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns,
+//                            at::Tensor& buffer);
+//     rows @ columns^T as a contiguous acc_t matrix; `buffer` is the row
+//     kind's scratch, which the policy may keep the scores in from chunk to
+//     chunk (a chunk's scores are not read once the next chunk's are made).
 //   static at::Tensor gradient_operand(const at::Tensor& grads, at::ScalarType operand);
 //     the GEMM operand form of a chunk's scale * dlogit (acc_t, contiguous,
 //     after row_grads) for operand matrices of dtype `operand`: the matrix
 //     itself, or its rounding to a half dtype; made once per chunk and row
 //     kind, for every gradient GEMM of the chunk. `grads` is not read after
 //     it, so the rounding may be written into its storage.
-//   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b);
-//     out += a @ b, out acc_t, a a gradient_operand matrix or the transpose
-//     of a column slice of it (a view), b an operand matrix.
+//   static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+//                          float beta);
+//     out = beta * out + a @ b (beta 1, or 0: out's entries are not read, NaN
+//     included), out acc_t, a a gradient_operand matrix or the transpose of a
+//     column slice of it (a view), b an operand matrix.
 //   static void row_stats(const at::Tensor& cos, const MnrTile&, const at::Tensor& scale,
 //                         double hardness_strength, at::Tensor lse, at::Tensor target);
 //     lse[i] = logsumexp of row i's logits relative to its target logit
@@ -41,6 +46,13 @@
 //                         at::Tensor scale_grad);
 //     cos[i, j] <- scale * dlogit (mnr_logit_grad, from the row's stats
 //     [rows, kMnrStats] and upstream [rows]); scale_grad[i] = sum_j dlogit * cos.
+//   static constexpr bool kFusedRowPass;
+//   static void row_stats_and_grads(at::Tensor cos, const MnrTile&, const at::Tensor& scale,
+//                                   double hardness_strength, at::Tensor lse, at::Tensor target,
+//                                   const at::Tensor& upstream, bool per_direction,
+//                                   at::Tensor scale_grad);
+//     with kFusedRowPass: row_stats, then row_grads, of a tile of Q rows that
+//     are the only row kind, in one pass (stats[i] = (lse[i], -inf, target[i])).
 //   static void row_losses(const at::Tensor& stats, bool per_direction, bool has_p_row,
 //                          at::Tensor loss);
 //     loss[i] = mnr_row_loss(...).
@@ -50,6 +62,7 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -98,6 +111,10 @@ class MnrChunked {
     const at::Tensor d = Tiles::operand(normalized_[1]);
     scale_ = scale.has_value() ? scale->reshape({}).to(acc_)
                                : at::scalar_tensor(scale_value, queries.options().dtype(acc_));
+    // A CPU tensor's value is on the host (no sync); a device scale's is not known here.
+    host_scale_ = !scale.has_value()  ? scale_value
+                  : scale->is_cpu()   ? scale->item<double>()
+                                      : std::numeric_limits<double>::quiet_NaN();
     kinds_.push_back(MnrRowKind{kMnrRowQuery, q,
                                 p_.query_to_query() ? at::cat({d, q}) : d, p_.m, 1, 0, 0});
     if (p_.has_p_row()) {
@@ -120,8 +137,9 @@ class MnrChunked {
     stats_ = at::full({p_.rows, kMnrStats}, -std::numeric_limits<double>::infinity(), acc);
     at::Tensor upstream;
     if (grad) {
-      upstream = p_.reduction == kMnrReductionMean ? at::full({p_.rows}, 1.0 / p_.rows, acc)
-                                                   : at::ones({p_.rows}, acc);
+      const double upstream_value = p_.reduction == kMnrReductionMean ? 1.0 / p_.rows : 1.0;
+      upstream = at::full({p_.rows}, upstream_value, acc);
+      saturate_ = !gradients_within_range(upstream_value);
       start_gradients();
     }
     for (int64_t start = 0; start < p_.rows; start += step_) {
@@ -130,13 +148,25 @@ class MnrChunked {
       std::vector<at::Tensor> cos = chunk_scores(start, n);
       // Kind 0 (the Q rows) writes each row's target logit, kind 1 reads it.
       at::Tensor target = at::empty({n}, acc);
+      // With gradients and the Q rows alone, one pass gives both (row_stats_and_grads).
+      at::Tensor scale_grad;
       for (size_t k = 0; k < kinds_.size(); ++k) {
         at::Tensor lse = at::empty({n}, acc);
-        Tiles::row_stats(cos[k], tile(k, start, n), scale_, p_.hardness_strength, lse, target);
+        if constexpr (Tiles::kFusedRowPass) {
+          if (grad && kinds_.size() == 1) {
+            scale_grad = at::empty({n}, acc);
+            Tiles::row_stats_and_grads(cos[0], tile(0, start, n), scale_, p_.hardness_strength,
+                                       lse, target, upstream.narrow(0, start, n),
+                                       p_.per_direction, scale_grad);
+          }
+        }
+        if (!scale_grad.defined()) {
+          Tiles::row_stats(cos[k], tile(k, start, n), scale_, p_.hardness_strength, lse, target);
+        }
         stats_.narrow(0, start, n).select(1, static_cast<int64_t>(k)).copy_(lse);
       }
       stats_.narrow(0, start, n).select(1, kMnrStats - 1).copy_(target);
-      if (grad) chunk_gradients(cos, start, n, upstream);
+      if (grad) chunk_gradients(cos, start, n, upstream, scale_grad);
     }
     at::Tensor loss_rows = at::empty({p_.rows}, acc);
     Tiles::row_losses(stats_, p_.per_direction, p_.has_p_row(), loss_rows);
@@ -193,6 +223,22 @@ class MnrChunked {
     return (upstream / upstream_factor_).contiguous();
   }
 
+  // Whether every entry of the gradients' float accumulators, for upstream
+  // gradients of magnitude at most `upstream`, is provably below a quarter of
+  // the largest finite value of the inputs' dtype (NaN or in range), so that
+  // saturating them (finish_gradient) would change nothing. An entry adds
+  // (scale * dlogit) times a normalized entry (magnitude at most 1) over the
+  // pairs of its row: per row kind at most |scale| * 2 * upstream (its
+  // softmax's weights sum to 1, plus the positive's -upstream), and as a
+  // column of every local row at most that per row. A huge scale (or a sum
+  // over many rows in float16) keeps the saturating pass; NaN (a device
+  // scale tensor) too.
+  bool gradients_within_range(double upstream) const {
+    const double per_pair = (std::abs(host_scale_) + std::abs(p_.hardness_strength)) * 2.0 * upstream;
+    const double bound = per_pair * static_cast<double>(kinds_.size()) * (p_.rows + 1);
+    return bound < largest_finite(dtype_) / 4;  // false for NaN
+  }
+
   MnrTile tile(size_t k, int64_t start, int64_t n) const {
     const MnrRowKind& kind = kinds_[k];
     return MnrTile{n,          kind.columns.size(0), kind.first_len, p_.r,
@@ -222,10 +268,11 @@ class MnrChunked {
     return {normalized_[i].narrow(0, start, n), norm_stats_[i].narrow(0, start, n)};
   }
 
-  std::vector<at::Tensor> chunk_scores(int64_t start, int64_t n) const {
+  std::vector<at::Tensor> chunk_scores(int64_t start, int64_t n) {
     std::vector<at::Tensor> cos;
+    score_buffers_.resize(kinds_.size());
     for (size_t k = 0; k < kinds_.size(); ++k) {
-      cos.push_back(Tiles::scores(chunk_rows(k, start, n), kinds_[k].columns));
+      cos.push_back(Tiles::scores(chunk_rows(k, start, n), kinds_[k].columns, score_buffers_[k]));
     }
     return cos;
   }
@@ -238,50 +285,82 @@ class MnrChunked {
     // and no [R, d] float accumulator is held, only chunk-sized temporaries.
     stream_query_grads_ = chunk_queries_;
     const at::TensorOptions acc = scale_.options();
+    // The accumulators are not zero-filled: their first write, where it covers
+    // them whole, overwrites (accumulate's beta 0; a B = 1024 float32 step
+    // spent 0.2 ms in fills).
     if (stream_query_grads_) {
-      query_grad_out_ = at::empty({p_.r, p_.d}, acc.dtype(dtype_));
+      // A single chunk's finished gradient becomes the output itself.
+      if (step_ < p_.rows) query_grad_out_ = at::empty({p_.r, p_.d}, acc.dtype(dtype_));
     } else {
-      grads_[0] = at::zeros({p_.r, p_.d}, acc);
+      grads_[0] = at::empty({p_.r, p_.d}, acc);
+      unwritten_[0] = true;
     }
-    grads_[1] = at::zeros({p_.m, p_.d}, acc);
+    grads_[1] = at::empty({p_.m, p_.d}, acc);
+    unwritten_[1] = true;
     scale_grad_rows_ = at::zeros({p_.rows}, acc);
   }
 
   // Overwrites the chunk's cosines with scale * dlogit and adds the chunk's
-  // share of every gradient.
+  // share of every gradient. `fused_scale_grad` defined: the single row kind's
+  // cosines hold scale * dlogit already, with these rows' scale gradients
+  // (row_stats_and_grads).
   void chunk_gradients(const std::vector<at::Tensor>& cos, int64_t start, int64_t n,
-                       const at::Tensor& upstream) {
+                       const at::Tensor& upstream, const at::Tensor& fused_scale_grad = {}) {
     const at::Tensor stats = stats_.narrow(0, start, n);
     const at::Tensor up = upstream.narrow(0, start, n);
     // The chunk's rows' gradient when streamed (only the Q rows add to it).
+    // Written by the Q rows' one product (beta 0), never read before.
     const at::Tensor query_rows =
-        stream_query_grads_ ? at::zeros({n, p_.d}, scale_.options()) : at::Tensor();
+        stream_query_grads_ ? at::empty({n, p_.d}, scale_.options()) : at::Tensor();
     for (size_t k = 0; k < kinds_.size(); ++k) {
       const MnrRowKind& kind = kinds_[k];
-      at::Tensor scale_grad = at::empty({n}, scale_.options());
-      Tiles::row_grads(cos[k], tile(k, start, n), scale_, p_.hardness_strength, stats, up,
-                       p_.per_direction, p_.has_p_row(), scale_grad);
+      at::Tensor scale_grad = fused_scale_grad;
+      if (!scale_grad.defined()) {
+        scale_grad = at::empty({n}, scale_.options());
+        Tiles::row_grads(cos[k], tile(k, start, n), scale_, p_.hardness_strength, stats, up,
+                         p_.per_direction, p_.has_p_row(), scale_grad);
+      }
       scale_grad_rows_.narrow(0, start, n).add_(scale_grad);
       const at::Tensor rows = chunk_rows(k, start, n);
       // One operand (one half rounding) serves the chunk's three GEMMs.
       const at::Tensor dlogit = Tiles::gradient_operand(cos[k], kind.columns.scalar_type());
-      Tiles::accumulate(kind.row_target == 0 && stream_query_grads_
-                            ? query_rows
-                            : grads_[kind.row_target].narrow(0, p_.offset + start, n),
-                        dlogit, kind.columns);
+      if (kind.row_target == 0 && stream_query_grads_) {
+        Tiles::accumulate(query_rows, dlogit, kind.columns, 0.0f);
+      } else {
+        add_product(kind.row_target, p_.offset + start, n, dlogit, kind.columns);
+      }
       const int64_t cols = kind.columns.size(0);
       if (kind.first_len > 0) {
-        Tiles::accumulate(grads_[kind.first_target].narrow(0, 0, kind.first_len),
-                          dlogit.narrow(1, 0, kind.first_len).t(), rows);
+        add_product(kind.first_target, 0, kind.first_len, dlogit.narrow(1, 0, kind.first_len).t(),
+                    rows);
       }
       if (cols > kind.first_len) {
-        Tiles::accumulate(grads_[kind.second_target].narrow(0, 0, cols - kind.first_len),
-                          dlogit.narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
+        add_product(kind.second_target, 0, cols - kind.first_len,
+                    dlogit.narrow(1, kind.first_len, cols - kind.first_len).t(), rows);
       }
     }
     if (stream_query_grads_) {
-      query_grad_out_.narrow(0, start, n).copy_(finish_gradient(query_rows, 0, start, n));
+      if (query_grad_out_.defined()) {
+        query_grad_out_.narrow(0, start, n).copy_(finish_gradient(query_rows, 0, start, n));
+      } else {  // the only chunk
+        query_grad_out_ = finish_gradient(query_rows, 0, start, n);
+      }
     }
+  }
+
+  // grads_[t] rows [start, start + n) += a @ b. An accumulator's first write
+  // overwrites when it covers the accumulator whole; otherwise it is zeroed first.
+  void add_product(int t, int64_t start, int64_t n, const at::Tensor& a, const at::Tensor& b) {
+    float beta = 1.0f;
+    if (unwritten_[t]) {
+      unwritten_[t] = false;
+      if (start == 0 && n == grads_[t].size(0)) {
+        beta = 0.0f;
+      } else {
+        grads_[t].zero_();
+      }
+    }
+    Tiles::accumulate(grads_[t].narrow(0, start, n), a, b, beta);
   }
 
   // The docs' blocks normalized into one [M, d] tensor in the docs' order (a
@@ -327,7 +406,8 @@ class MnrChunked {
         find_op<NormalizeBackwardSignature>("nanfree::normalize_backward");
     const double big = largest_finite(dtype_);
     if (upstream_factor_.defined()) g.mul_(upstream_factor_);
-    g.clamp_(-big, big);
+    // A pass over the gradient, skipped where it is provably a no-op (saturate_).
+    if (saturate_) g.clamp_(-big, big);
     auto [hat, stats] = normalized_rows(i, start, n);
     return normalize_backward.call(g.to(dtype_), hat, stats);
   }
@@ -349,12 +429,17 @@ class MnrChunked {
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradients(bool scale_grad) {
     kinds_.clear();  // the operands (copies for half inputs) are no longer needed
+    score_buffers_.clear();
     const double acc_big = largest_finite(acc_);
     at::Tensor out[2];
     for (int i = 0; i < 2; ++i) {
       if (i == 0 && stream_query_grads_) {
-        out[0] = std::move(query_grad_out_);  // finished chunk by chunk
+        // Finished chunk by chunk (no chunk: no rows).
+        out[0] = query_grad_out_.defined() ? std::move(query_grad_out_)
+                                           : at::zeros({p_.r, p_.d}, scale_.options().dtype(dtype_));
       } else {
+        // Never written (no product reached it): its gradient is 0.
+        if (unwritten_[i]) grads_[i].zero_();
         // Moved: in place from here, no second copy is held.
         out[i] = finish_whole_gradient(std::move(grads_[i]), i);
       }
@@ -379,10 +464,14 @@ class MnrChunked {
   at::ScalarType dtype_;
   at::ScalarType acc_;
   at::Tensor scale_;
+  double host_scale_;  // the scale's value, NaN when only the device has it
+  bool saturate_ = true;  // whether finish_gradient saturates (see gradients_within_range)
   std::vector<MnrRowKind> kinds_;
+  std::vector<at::Tensor> score_buffers_;  // Tiles::scores' scratch, per row kind
   int64_t step_;
   at::Tensor stats_;
   at::Tensor grads_[2];      // float accumulators (grads_[0] unused when streamed)
+  bool unwritten_[2] = {false, false};  // an accumulator not written yet (not zeroed)
   bool stream_query_grads_ = false;  // see start_gradients
   at::Tensor query_grad_out_;  // the queries' gradient, when streamed
   at::Tensor scale_grad_rows_;

@@ -201,6 +201,78 @@ NANFREE_HOT_LOOP acc_t row_relative_lse(const acc_t* logits, int64_t n, acc_t ta
   return mnr_relative_lse(m, sum, target);
 }
 
+// A task's per-row scratch: the row's logits and its own columns.
+template <typename acc_t>
+struct RowBuffers {
+  explicit RowBuffers(const MnrTile& tile)
+      : max_own(max_own_columns(tile)),
+        logits(tile.cols),
+        own(max_own),
+        own_grad(max_own),
+        own_cos(max_own) {}
+  int max_own;
+  std::vector<acc_t> logits;
+  std::vector<int64_t> own;
+  std::vector<acc_t> own_grad;
+  std::vector<acc_t> own_cos;
+};
+
+// Overwrites a row of cosines with scale * dlogit (mnr_logit_grad) from its
+// logits (buf.logits, with `count` own columns in buf.own: row_logits) and
+// its normalizer; returns sum_j dlogit * cos (the scale's gradient). `weight`
+// is the row's upstream gradient times its direction weight.
+template <typename acc_t>
+NANFREE_HOT_LOOP acc_t row_gradient(acc_t* row, RowBuffers<acc_t>& buf, int count,
+                                    const MnrTile& tile, int64_t g, const TileConstants<acc_t>& h,
+                                    acc_t normalizer, acc_t weight, acc_t upstream) {
+  using V = Vec<acc_t>;
+  acc_t* logits = buf.logits.data();
+  acc_t dot = 0;
+  if (!(std::isfinite(normalizer) && std::isfinite(weight))) {
+    // A NaN or infinite normalizer (NaN or infinite logits) or upstream:
+    // the header's rules entry by entry, which keep the NaN.
+    for (int64_t j = 0; j < tile.cols; ++j) {
+      const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
+                                       tile.owned_end, tile.hardness_mode);
+      const acc_t dl = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream);
+      dot += dl * row[j];
+      row[j] = h.scale * dl;
+    }
+    return dot;
+  }
+  // The own columns' exact gradients; the sweep then sees them as -inf
+  // (a gradient of exactly 0) and they are written back after it.
+  for (int k = 0; k < count; ++k) {
+    const int64_t j = buf.own[k];
+    const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
+                                     tile.owned_end, tile.hardness_mode);
+    buf.own_grad[k] = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream);
+    buf.own_cos[k] = row[j];
+    logits[j] = -std::numeric_limits<acc_t>::infinity();
+  }
+  const V shift(normalizer), w(weight), s(h.scale);
+  V acc(0);
+  int64_t j = 0;
+  for (; j + V::size() <= tile.cols; j += V::size()) {
+    // Every logit is at most the normalizer, so the shifted exp's
+    // argument is <= 0 (-inf for the own columns, whose exp is 0).
+    const V dl = w * cpu::shifted_exp(V::loadu(logits + j) - shift);
+    acc = acc + dl * V::loadu(row + j);
+    (s * dl).store(row + j);
+  }
+  dot = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, acc);
+  for (; j < tile.cols; ++j) {
+    const acc_t dl = weight * nf_exp(logits[j] - normalizer);
+    dot += dl * row[j];
+    row[j] = h.scale * dl;
+  }
+  for (int k = 0; k < count; ++k) {
+    row[buf.own[k]] = h.scale * buf.own_grad[k];
+    dot += buf.own_grad[k] * buf.own_cos[k];
+  }
+  return dot;
+}
+
 struct CpuMnrTiles {
   // 4M cosines (16 MB of float) per row kind: a block of 1024 rows against
   // 4096 columns, GEMMs large enough for MKL and a block that stays small.
@@ -217,10 +289,22 @@ struct CpuMnrTiles {
     return matrix.to(acc_dtype(matrix.scalar_type())).contiguous();
   }
 
-  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
-    if (rows.scalar_type() != at::kBFloat16) return at::mm(rows, columns.t());
-    at::Tensor out = at::empty({rows.size(0), columns.size(0)}, rows.options().dtype(at::kFloat));
-    bf16_gemm(rows, false, columns, true, out, 0.0f);
+  // Written into `buffer`, made for the first (largest) chunk and kept: a
+  // fresh chunk of 64 MB is mapped and page-faulted anew each time (about 9%
+  // of a bfloat16 B = 16384, d = 768, k = 1 step went to the kernel's
+  // page-fault handling).
+  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns, at::Tensor& buffer) {
+    const int64_t n = rows.size(0), cols = columns.size(0);
+    const bool bf16 = rows.scalar_type() == at::kBFloat16;
+    if (!buffer.defined() || buffer.size(0) < n || buffer.size(1) != cols) {
+      buffer = at::empty({n, cols}, rows.options().dtype(bf16 ? at::kFloat : rows.scalar_type()));
+    }
+    at::Tensor out = buffer.narrow(0, 0, n);
+    if (bf16) {
+      bf16_gemm(rows, false, columns, true, out, 0.0f);
+    } else {
+      at::mm_out(out, rows, columns.t());
+    }
     return out;
   }
 
@@ -231,16 +315,16 @@ struct CpuMnrTiles {
     return operand == at::kBFloat16 ? bf16_operand_in_place(grads) : grads;
   }
 
-  // out += a @ b; a a gradient_operand matrix (or a transposed column slice
-  // of it), b an operand matrix.
-  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  // out = beta * out + a @ b (beta 0: out not read); a a gradient_operand
+  // matrix (or a transposed column slice of it), b an operand matrix.
+  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b, float beta) {
     if (b.scalar_type() != at::kBFloat16) {
-      out.addmm_(a, b);
+      out.addmm_(a, b, beta);
       return;
     }
     // A transposed slice [cols, n] of the [n, all cols] operand is stored as its transpose.
     const bool transposed = a.stride(1) != 1;
-    bf16_gemm(transposed ? a.t() : a, transposed, b, false, out, 1.0f);
+    bf16_gemm(transposed ? a.t() : a, transposed, b, false, out, beta);
   }
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
@@ -252,15 +336,14 @@ struct CpuMnrTiles {
       scalar_t* t = target.mutable_data_ptr<scalar_t>();
       const bool query_row = tile.row_kind == kMnrRowQuery;
       at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
-        std::vector<scalar_t> logits(tile.cols);
-        std::vector<int64_t> own(max_own_columns(tile));
+        RowBuffers<scalar_t> buf(tile);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t g = tile.g0 + i;
           const scalar_t* row = c + i * tile.cols;
-          row_logits(row, logits.data(), tile, g, h, own.data(), static_cast<int>(own.size()));
+          row_logits(row, buf.logits.data(), tile, g, h, buf.own.data(), buf.max_own);
           // The positive is doc g, column g of the query row's first segment.
           if (query_row) t[i] = mnr_target_logit(row[g], h.scale);
-          out[i] = row_relative_lse(logits.data(), tile.cols, t[i]);
+          out[i] = row_relative_lse(buf.logits.data(), tile.cols, t[i]);
         }
       });
     });
@@ -271,7 +354,6 @@ struct CpuMnrTiles {
                         const at::Tensor& upstream, bool per_direction, bool has_p_row,
                         at::Tensor scale_grad) {
     AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_grads_cpu", [&] {
-      using V = Vec<scalar_t>;
       const TileConstants<scalar_t> h(scale, hardness_strength, tile);
       scalar_t* c = cos.mutable_data_ptr<scalar_t>();
       const scalar_t* st = stats.const_data_ptr<scalar_t>();
@@ -280,65 +362,53 @@ struct CpuMnrTiles {
       const bool query_row = tile.row_kind == kMnrRowQuery;
       const scalar_t direction = mnr_direction_weight<scalar_t>(per_direction, has_p_row);
       at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
-        std::vector<scalar_t> logits(tile.cols);
-        const int max_own = max_own_columns(tile);
-        std::vector<int64_t> own(max_own);
-        std::vector<scalar_t> own_grad(max_own);
-        std::vector<scalar_t> own_cos(max_own);
+        RowBuffers<scalar_t> buf(tile);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t g = tile.g0 + i;
           scalar_t* row = c + i * tile.cols;
           const scalar_t* row_stats = st + kMnrStatsPerRow * i;
           const scalar_t normalizer = mnr_row_normalizer(row_stats[0], row_stats[1], row_stats[2],
                                                          query_row, per_direction, has_p_row);
-          const scalar_t upstream_i = up[i];
-          const scalar_t weight = upstream_i * direction;
-          const int count = row_logits(row, logits.data(), tile, g, h, own.data(), max_own);
-          scalar_t dot = 0;
-          if (!(std::isfinite(normalizer) && std::isfinite(weight))) {
-            // A NaN or infinite normalizer (NaN or infinite logits) or upstream:
-            // the header's rules entry by entry, which keep the NaN.
-            for (int64_t j = 0; j < tile.cols; ++j) {
-              const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
-                                               tile.owned_end, tile.hardness_mode);
-              const scalar_t dl = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream_i);
-              dot += dl * row[j];
-              row[j] = h.scale * dl;
-            }
-            sg[i] = dot;
-            continue;
-          }
-          // The own columns' exact gradients; the sweep then sees them as -inf
-          // (a gradient of exactly 0) and they are written back after it.
-          for (int k = 0; k < count; ++k) {
-            const int64_t j = own[k];
-            const int kind = mnr_column_kind(tile.row_kind, g, j, tile.first_len, tile.r,
-                                             tile.owned_end, tile.hardness_mode);
-            own_grad[k] = mnr_logit_grad(logits[j], kind, normalizer, weight, upstream_i);
-            own_cos[k] = row[j];
-            logits[j] = -std::numeric_limits<scalar_t>::infinity();
-          }
-          const V shift(normalizer), w(weight), s(h.scale);
-          V acc(0);
-          int64_t j = 0;
-          for (; j + V::size() <= tile.cols; j += V::size()) {
-            // Every logit is at most the normalizer, so the shifted exp's
-            // argument is <= 0 (-inf for the own columns, whose exp is 0).
-            const V dl = w * cpu::shifted_exp(V::loadu(logits.data() + j) - shift);
-            acc = acc + dl * V::loadu(row + j);
-            (s * dl).store(row + j);
-          }
-          dot = at::vec::vec_reduce_all<scalar_t>([](V& a, V& b) { return a + b; }, acc);
-          for (; j < tile.cols; ++j) {
-            const scalar_t dl = weight * nf_exp(logits[j] - normalizer);
-            dot += dl * row[j];
-            row[j] = h.scale * dl;
-          }
-          for (int k = 0; k < count; ++k) {
-            row[own[k]] = h.scale * own_grad[k];
-            dot += own_grad[k] * own_cos[k];
-          }
-          sg[i] = dot;
+          const int count = row_logits(row, buf.logits.data(), tile, g, h, buf.own.data(),
+                                       buf.max_own);
+          sg[i] = row_gradient(row, buf, count, tile, g, h, normalizer, up[i] * direction, up[i]);
+        }
+      });
+    });
+  }
+
+  // row_stats and then row_grads of a tile of Q rows when they are the only
+  // row kind (no P rows: a row's normalizer is its own logsumexp), in one pass:
+  // each row's logits are made once and the row is read while it is in cache
+  // (separate passes read a 16 MB chunk twice).
+  static constexpr bool kFusedRowPass = true;
+  static void row_stats_and_grads(at::Tensor cos, const MnrTile& tile, const at::Tensor& scale,
+                                  double hardness_strength, at::Tensor lse, at::Tensor target,
+                                  const at::Tensor& upstream, bool per_direction,
+                                  at::Tensor scale_grad) {
+    TORCH_INTERNAL_ASSERT(tile.row_kind == kMnrRowQuery);
+    AT_DISPATCH_FLOATING_TYPES(cos.scalar_type(), "nanfree_mnr_row_stats_and_grads_cpu", [&] {
+      const TileConstants<scalar_t> h(scale, hardness_strength, tile);
+      scalar_t* c = cos.mutable_data_ptr<scalar_t>();
+      scalar_t* out = lse.mutable_data_ptr<scalar_t>();
+      scalar_t* t = target.mutable_data_ptr<scalar_t>();
+      const scalar_t* up = upstream.const_data_ptr<scalar_t>();
+      scalar_t* sg = scale_grad.mutable_data_ptr<scalar_t>();
+      const scalar_t direction = mnr_direction_weight<scalar_t>(per_direction, false);
+      const scalar_t no_p_row = -std::numeric_limits<scalar_t>::infinity();
+      at::parallel_for(0, tile.rows, row_grain(tile.cols), [&](int64_t begin, int64_t end) {
+        RowBuffers<scalar_t> buf(tile);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t g = tile.g0 + i;
+          scalar_t* row = c + i * tile.cols;
+          const int count = row_logits(row, buf.logits.data(), tile, g, h, buf.own.data(),
+                                       buf.max_own);
+          // The positive is doc g, column g of the query row's first segment.
+          t[i] = mnr_target_logit(row[g], h.scale);
+          out[i] = row_relative_lse(buf.logits.data(), tile.cols, t[i]);
+          const scalar_t normalizer =
+              mnr_row_normalizer(out[i], no_p_row, t[i], true, per_direction, false);
+          sg[i] = row_gradient(row, buf, count, tile, g, h, normalizer, up[i] * direction, up[i]);
         }
       });
     });

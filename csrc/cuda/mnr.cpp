@@ -87,7 +87,10 @@ struct CudaMnrTiles {
 #endif
   }
 
-  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns) {
+  // A new tensor per chunk (no scratch kept: the caching allocator hands the
+  // previous chunk's memory back without mapping it anew).
+  static at::Tensor scores(const at::Tensor& rows, const at::Tensor& columns,
+                           at::Tensor& /*buffer*/) {
 #if NANFREE_MM_FLOAT32
     if (is_half(rows.scalar_type())) return mm_float32(rows, columns.t());
 #endif
@@ -103,9 +106,11 @@ struct CudaMnrTiles {
     return grads;
   }
 
-  // out += a @ b; a a gradient_operand matrix (or a transposed column slice
-  // of it), b an operand matrix.
-  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  // out = beta * out + a @ b (beta 0: out not read, zeroed here: a fill is
+  // cheap next to the product on a GPU); a a gradient_operand matrix (or a
+  // transposed column slice of it), b an operand matrix.
+  static void accumulate(at::Tensor out, const at::Tensor& a, const at::Tensor& b, float beta) {
+    if (beta == 0.0f) out.zero_();
     if (!is_half(b.scalar_type())) {
       out.addmm_(a, b);
       return;
@@ -120,6 +125,9 @@ struct CudaMnrTiles {
     TORCH_INTERNAL_ASSERT(false, "half operands are float32 (operand) without aten::mm.dtype");
 #endif
   }
+
+  // The stats and the gradients of a chunk stay two kernels (row_stats, row_grads).
+  static constexpr bool kFusedRowPass = false;
 
   static void row_stats(const at::Tensor& cos, const MnrTile& tile, const at::Tensor& scale,
                         double hardness_strength, at::Tensor lse, at::Tensor target) {

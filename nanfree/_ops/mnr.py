@@ -2,16 +2,11 @@
 argument checks of the Python backends (Triton, pure PyTorch) and the fake
 kernels, with the same errors, words and exception types as
 csrc/common/mnr_op.h (the layout and rules are those of
-csrc/include/nanfree/mnr_math.h); the fake kernels and the autograd,
-registered once for every backend; the normalization around the Python
-backends' cores; and nanfree.ops' conversion of sentence-transformers'
-options into the op's. The schemas are in csrc/registration.cpp; the autocast
-in csrc/autocast.cpp.
-
-Autograd is registered from Python (torch.library.register_autograd), not in
-C++ as the per-call families': the loss runs once per training step, and its
-backward only routes saved tensors (the kernels do all the work), so a
-Python node costs nothing measurable there.
+csrc/include/nanfree/mnr_math.h); the fake kernels, registered once for every
+backend; the normalization around the Python backends' cores; and
+nanfree.ops' conversion of sentence-transformers' options into the op's. The
+schemas are in csrc/registration.cpp; the autograd in
+csrc/mnr.cpp; the autocast in csrc/autocast.cpp.
 
 mnr_loss called with `grad=True` and a reduced loss (nanfree.ops.mnr_loss does
 so when the loss is reduced to a scalar and a gradient is wanted) has already
@@ -210,19 +205,6 @@ def unscaled(grad, factor, dtype=None):
     return (grad.to(wide) * factor).clamp_(-big, big).to(dtype)
 
 
-def scaled_saved_gradient(grad, factor):
-    """A gradient computed for an upstream 1, in the embeddings' dtype, times
-    the upstream gradient `factor` (0-d, in the accumulation dtype), saturated
-    in that dtype: the exact product rounded once. On CPU a half tensor times a
-    0-d float32 tensor is that product (ATen multiplies by the unrounded
-    factor in float32), so no float32 copy is made; on a GPU the factor would
-    be rounded to the half dtype first, so a half gradient goes through float32."""
-    if grad.dtype == factor.dtype or grad.device.type == "cpu":
-        big = torch.finfo(grad.dtype).max
-        return (grad * factor).clamp_(-big, big)
-    return unscaled(grad.to(factor.dtype), factor, grad.dtype)
-
-
 # --- the normalization around the Python backends' cores ---------------------------
 
 MNR_NORMALIZE_EPS = 1e-12  # kMnrNormalizeEps of mnr_math.h
@@ -247,20 +229,6 @@ def _normalize_docs(docs):
         hats.append(hat.reshape(n, hat.shape[-1]))
         stats.append(st.reshape(n, st.shape[-1]))
     return torch.cat(hats), torch.cat(stats)
-
-
-def split_doc_grads(grad_docs, shapes):
-    """The gradient of each block of the docs (of these shapes) from the [M, d]
-    gradient of all: views, no copy (a [R', k, d] block's is a transposed view)."""
-    grads, start = [], 0
-    for shape in shapes:
-        n = block_rows(shape)
-        g = grad_docs.narrow(0, start, n)
-        if len(shape) == 3:
-            g = g.view(shape[1], shape[0], shape[2]).transpose(0, 1)
-        grads.append(g)
-        start += n
-    return grads
 
 
 def _raw_grad(grad, normalized, stats):
@@ -296,7 +264,7 @@ def on_raw_embeddings(core_forward, core_backward, check_forward, check_backward
     return mnr_loss, mnr_loss_backward
 
 
-# --- fake kernels and autograd -------------------------------------------------------
+# --- fake kernels -------------------------------------------------------
 
 
 def _fake_grads(queries, problem, scale, acc, grad):
@@ -327,99 +295,8 @@ def _fake_mnr_loss_backward(grad_loss, queries, docs, scale, scale_value, stats,
     return _fake_grads(queries, problem, scale, acc_dtype(queries.dtype), True)
 
 
-# mnr_loss's arguments after the tensors (queries, docs, scale), as saved.
-_CONFIG = ("scale_value", "offset", "rows", "owned_blocks", "directions", "per_direction",
-           "hardness_mode", "hardness_strength", "reduction")
-
-
-def _setup_context(ctx, inputs, output):
-    queries, docs, scale, *config, grad = inputs
-    loss, stats, grad_queries, grad_docs, grad_scale = output
-    ctx.config = config
-    ctx.doc_shapes = [block.shape for block in docs]
-    ctx.has_scale = scale is not None
-    ctx.scale_shape = None if scale is None else scale.shape
-    ctx.scale_dtype = None if scale is None else scale.dtype
-    # Gradients computed for an upstream 1 can be scaled by a scalar upstream
-    # gradient only; with reduction 'none' (0) the backward recomputes.
-    ctx.precomputed = grad and config[-1] != 0
-    # The loss itself is saved too (a scalar or [B]): with create_graph=True the
-    # refusing node of the gradients hangs off it (_RefusedDoubleBackward).
-    if ctx.precomputed:
-        ctx.save_for_backward(grad_queries, grad_docs, grad_scale, loss)
-    else:
-        ctx.save_for_backward(queries, scale, stats, loss, *docs)
-    ctx.mark_non_differentiable(stats, grad_queries, grad_docs, grad_scale)
-    # The other outputs never receive a gradient: no zero tensors of their sizes.
-    ctx.set_materialize_grads(False)
-
-
-def _gradients(ctx, grad_loss):
-    """(grad_queries, grad_docs, grad_scale) of the loss for `grad_loss`."""
-    if ctx.precomputed:
-        # The gradients of an upstream 1 (a scalar loss): scaled, not recomputed.
-        grad_queries, grad_docs, grad_scale, _ = ctx.saved_tensors
-        factor = grad_loss.to(grad_scale.dtype)
-        # A product past the dtype's range saturates (unscaled), as the
-        # recomputing path's gradients do.
-        grad_queries = scaled_saved_gradient(grad_queries, factor)
-        grad_docs = scaled_saved_gradient(grad_docs, factor)
-        grad_scale = unscaled(grad_scale, factor)
-    else:
-        queries, scale, stats, _, *docs = ctx.saved_tensors
-        grad_queries, grad_docs, grad_scale = torch.ops.nanfree.mnr_loss_backward(
-            grad_loss.contiguous(), queries, docs, scale, ctx.config[0], stats, *ctx.config[1:])
-    if ctx.has_scale:
-        # In the scale's dtype, saturating (a float32 scale of float64 embeddings).
-        grad_scale = unscaled(grad_scale.reshape(ctx.scale_shape), 1.0, ctx.scale_dtype)
-    else:
-        grad_scale = None
-    return grad_queries, grad_docs, grad_scale
-
-
-class _RefusedDoubleBackward(torch.autograd.Function):
-    """The loss's backward called with create_graph=True: the gradients, computed
-    below autograd, on a node whose own backward refuses (as the C++ families'
-    RefusedDoubleBackward of csrc/common/autograd.h), instead of refusing the
-    first-order gradient itself."""
-
-    @staticmethod
-    def forward(ctx, outer_ctx, grad_loss, loss):
-        return tuple(g if g is None else g.detach() for g in _gradients(outer_ctx, grad_loss))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("nanfree: nanfree::mnr_loss_backward has no derivative: double "
-                           "backward (differentiating a gradient) of the mnr family is not "
-                           "implemented")
-
-
-def _backward(ctx, grad_loss, *unused):
-    if grad_loss is None:
-        # No gradient reached the loss (only its unmaterialized siblings'): none flows back.
-        return (None, [None] * len(ctx.doc_shapes)) + (None,) * (1 + len(_CONFIG) + 1)
-    if torch.is_grad_enabled():
-        # create_graph=True: the node hangs off the loss, so that differentiating
-        # the gradients reaches it (and refuses) whatever else requires grad.
-        grads = _RefusedDoubleBackward.apply(ctx, grad_loss, _saved_loss(ctx))
-    else:
-        grads = _gradients(ctx, grad_loss)
-    grad_queries, grad_docs, grad_scale = grads
-    # Each block's gradient: a view of the docs' [M, d] gradient.
-    grad_blocks = [None] * len(ctx.doc_shapes) if grad_docs is None else \
-        split_doc_grads(grad_docs, ctx.doc_shapes)
-    return (grad_queries, grad_blocks, grad_scale) + (None,) * (len(_CONFIG) + 1)
-
-
-def _saved_loss(ctx):
-    """The loss saved by _setup_context (the last of the precomputed gradients'
-    tuple, the fourth of the recomputing one's)."""
-    return ctx.saved_tensors[-1] if ctx.precomputed else ctx.saved_tensors[3]
-
-
 def register():
     fake_kernels([("mnr_loss", _fake_mnr_loss), ("mnr_loss_backward", _fake_mnr_loss_backward)])
-    torch.library.register_autograd("nanfree::mnr_loss", _backward, setup_context=_setup_context)
 
 
 # --- nanfree.ops' conversion of sentence-transformers' options ----------------------
