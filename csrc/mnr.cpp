@@ -257,13 +257,6 @@ struct NanfreeMnrLossBackward final : torch::autograd::Function<NanfreeMnrLossBa
   }
 };
 
-bool any_doc_needs_graph(at::TensorList docs) {
-  for (const at::Tensor& block : docs) {
-    if (needs_graph(block)) return true;
-  }
-  return false;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_with_autograd(
     const at::Tensor& queries, at::TensorList docs, const std::optional<at::Tensor>& scale,
     double scale_value, int64_t offset, int64_t rows, int64_t owned_blocks, int64_t directions,
@@ -271,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mnr_loss_
     bool grad) {
   const MnrConfig config{scale_value, offset,        rows,           owned_blocks, directions,
                          per_direction, hardness_mode, hardness_strength, reduction};
-  if (!any_needs_graph(queries, scale) && !any_doc_needs_graph(docs)) {
+  if (!any_needs_graph(queries, docs, scale)) {
     return call_mnr_loss(queries, docs, scale, config, grad);
   }
   const variable_list v = NanfreeMnrLossBackward::apply(queries, docs, scale, config, grad);

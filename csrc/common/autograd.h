@@ -37,6 +37,12 @@ inline bool argument_needs_graph(const at::Tensor& t) { return needs_graph(t); }
 inline bool argument_needs_graph(const std::optional<at::Tensor>& t) {
   return t.has_value() && needs_graph(*t);
 }
+inline bool argument_needs_graph(at::TensorList list) {
+  for (const at::Tensor& t : list) {
+    if (needs_graph(t)) return true;
+  }
+  return false;
+}
 template <typename T>
 bool argument_needs_graph(const T& /*not a tensor*/) {
   return false;
