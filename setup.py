@@ -294,9 +294,11 @@ def _cuda_emulation_extensions():
 
 ext_modules = [
     # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
+    # (OpenMP: nanfree.debug's finiteness scan runs large calls on ATen's threads.)
     CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
                  include_dirs=INCLUDE_DIRS,
-                 extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS),
+                 extra_compile_args={"cxx": CXX_FLAGS + _openmp_flags()},
+                 extra_link_args=_openmp_flags() + LINK_FLAGS),
     CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
                  extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags() + _openmp_flags()},
                  extra_link_args=_openmp_flags() + LINK_FLAGS),

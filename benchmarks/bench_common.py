@@ -16,6 +16,9 @@ in a round a side runs short blocks of calls (about 1 ms on a CPU) for
 over all rounds. The fastest block, not the median: on a loaded 2-core machine a
 descheduled OpenMP thread stalls a call by a scheduler slice (several ms), which
 can land in most blocks of a fast op. torch.compile compiles before any timing.
+A case that compares two sides a few percent apart (FiniteGuard's step against the
+plain optimizer's) is timed in pairs instead (``paired_steps``: one call of each side
+per round, many rounds, each side's median), which the fastest block cannot resolve.
 Ratios are baseline time / nanfree time: above 1 means nanfree is faster.
 """
 
@@ -138,6 +141,30 @@ def fastest_alternating(calls, sync, rounds, budget, block, number=None, min_blo
         if gc_was_enabled:
             gc.enable()
     return best
+
+
+def paired_medians(calls, sync, steps, warmup=20):
+    """{side: median seconds per call}: one call of each side per round (the order
+    reversed every other round), ``steps`` rounds after ``warmup``. Each call meets
+    nearly the same machine as the other sides' calls of its round, so a difference
+    of a few percent between sides shows in the medians where the fastest block of
+    :func:`fastest_alternating` swings by more on a loaded machine."""
+    names = list(calls)
+    times = {name: [] for name in names}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(warmup + steps):
+            for name in names if r % 2 else names[::-1]:
+                start = time.perf_counter()
+                calls[name]()
+                sync()
+                if r >= warmup:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def direction_call(fn, inputs, direction, args=()):
@@ -284,7 +311,8 @@ class Bench:
               + "".join(f"{side:>10}{'nf/' + side[:3]:>7}" for side in extra), flush=True)
 
     def compare(self, fields, label, fns, inputs, direction, nbytes, args=(),
-                number=None, min_blocks=2, rounds=None, unit="ms", flops=None, cheap=()):
+                number=None, min_blocks=2, rounds=None, unit="ms", flops=None, cheap=(),
+                paired_steps=None):
         """Times ``fns`` ({side: fn}; a side None is skipped) in ``direction``; returns the record.
 
         ``fields`` go to the CSV; ``label`` starts the printed line; ``nbytes`` is
@@ -295,6 +323,7 @@ class Bench:
         the same shape) are timed alongside and recorded as ``<side>_ms`` and
         ``nanfree_over_<side>`` (nanfree time / its time). ``cheap``: sides timed
         with a call per round when a call is slow (see :func:`fastest_alternating`).
+        ``paired_steps``: timed by :func:`paired_medians` with that many rounds instead.
         """
         calls = {}
         for side, fn in fns.items():
@@ -310,8 +339,12 @@ class Bench:
                     raise
                 calls.pop(side, None)
                 self.compiler.fail(exc)
-        best = fastest_alternating(calls, self.sync, rounds or self.rounds, 0 if number else self.budget,
-                                   self.block, number, min_blocks, extra_rounds=self.extra_rounds, cheap=cheap)
+        if paired_steps:
+            best = paired_medians(calls, self.sync, paired_steps)
+        else:
+            best = fastest_alternating(calls, self.sync, rounds or self.rounds,
+                                       0 if number else self.budget, self.block, number, min_blocks,
+                                       extra_rounds=self.extra_rounds, cheap=cheap)
         ours, base, comp = (best.get(side) for side in SIDES)
         gbs = nbytes / ours / 1e9 if nbytes else None
         record = dict(machine=self.machine, **fields, direction=direction, nanfree_ms=ours * 1e3,

@@ -10,8 +10,10 @@ namespace nanfree {
 
 // 1: some tensor holds NaN (or +-inf with check_inf); 0: none does; -1: a
 // tensor the scan does not read (not a contiguous CPU tensor of float32,
-// float64, float16 or bfloat16 of at most 2^18 entries), which the caller
-// checks its own way. Empty and non-floating tensors hold nothing to report.
+// float64, float16 or bfloat16, or complex of those: their real and
+// imaginary parts), which the caller checks its own way. Empty
+// and non-floating tensors hold nothing to report. Calls of many entries in
+// all run on ATen's threads.
 int any_nonfinite(const std::vector<at::Tensor>& tensors, bool check_inf);
 
 }  // namespace nanfree

@@ -3,7 +3,8 @@
 ``FiniteGuard(optimizer)`` wraps any optimizer. Its ``step()`` checks the
 gradients (and the loss, when given) for NaN and inf on their device, with one
 fused check per device and dtype (``torch._amp_foreach_non_finite_check_and_unscale_``,
-GradScaler's kernel), and skips the update on the device, without a host sync:
+GradScaler's kernel; on the CPU nanfree's own scan, last item), and skips the
+update on the device, without a host sync:
 
 - an optimizer that takes a ``found_inf`` flag (the fused implementations of
   Adam, AdamW, SGD, ...: ``_step_supports_amp_scaling``) gets the flag and skips
@@ -14,10 +15,11 @@ GradScaler's kernel), and skips the update on the device, without a host sync:
 - a step that would create optimizer state (a parameter's first) reads the flag
   once and, when set, does not call the optimizer: a skipped first step leaves
   no state behind;
-- on the CPU (the flag and every parameter CPU tensors) an optimizer without
-  ``found_inf`` is called or not by the flag's value, read on the host: a CPU
-  tensor's value is there when the check returns, so the read waits for no
-  device, and the step costs no copy.
+- on the CPU (every gradient, and the loss when given, CPU tensors; no ranks
+  to agree with) the check is nanfree's own scan (``nanfree._C.any_nonfinite``,
+  on ATen's threads) and its answer is a Python bool: a CPU tensor's values are
+  there when the scan returns, so nothing is waited for, and any optimizer,
+  fused or not, is called or not by it: no ``found_inf``, no copy.
 
 With ``clip_norm``, the gradients are clipped by their total norm first, with a
 coefficient that a non-finite norm cannot turn into NaN or 0 in every gradient
@@ -46,6 +48,11 @@ import warnings
 import torch
 
 from .debug import NonFiniteError, detect_anomaly
+
+try:  # the CPU's check: one multi-threaded scan in C++, answered on the host
+    from nanfree._C import any_nonfinite as _any_nonfinite
+except ImportError:
+    _any_nonfinite = None
 
 __all__ = ["FiniteGuard"]
 
@@ -99,6 +106,7 @@ class FiniteGuard:
         self.sync_ranks = bool(sync_ranks)
         self.steps = 0
         self.skipped = None  # device counter of skipped steps (int64), made on first use
+        self._skipped_host = 0  # skips decided on the CPU's path (_host_found)
         self._skipped_before = 0  # skips counted before a load_state_dict
         self._logged = 0
         self.last_report = None  # the first skipped step's report (False: not reproducible)
@@ -130,12 +138,14 @@ class FiniteGuard:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
         self.skipped = None  # made on the device of the next step's flag
+        self._skipped_host = 0
         self._skipped_before = self._logged = int(state["skipped"])
 
     @property
     def skipped_steps(self):
         """How many steps were skipped (reads the device counter: a sync)."""
-        return self._skipped_before + (0 if self.skipped is None else int(self.skipped))
+        return self._skipped_before + self._skipped_host + \
+            (0 if self.skipped is None else int(self.skipped))
 
     def report(self):
         """Warn about skips not reported yet (reads the counter: a sync). Called every
@@ -187,14 +197,44 @@ class FiniteGuard:
             found.fill_(1.0)
         return found
 
+    def _host_found(self, params, loss):
+        """The CPU's path: whether the loss or a gradient is non-finite, as a Python
+        bool, from one scan of every gradient (nanfree._C.any_nonfinite, on ATen's
+        threads; a CPU tensor's values are there when it returns, so it waits for
+        nothing). None where the path does not apply: a tensor off the CPU or of a
+        kind the scan does not read, ranks to agree with, a found_inf already set,
+        no compiled extension."""
+        if _any_nonfinite is None or not self._read_host_flag or self._ranks_to_agree():
+            return None
+        # A found_inf or grad_scale set by someone else (a GradScaler): combined with the
+        # guard's flag on the device path.
+        if getattr(self.optimizer, "found_inf", None) is not None or \
+                getattr(self.optimizer, "grad_scale", None) is not None:
+            return None
+        tensors = [p.grad for p in params]  # a sparse one: -1, the device path checks it
+        if isinstance(loss, torch.Tensor):
+            tensors.append(loss.detach())
+        found = _any_nonfinite(tensors, True)
+        if found < 0:  # a tensor off the CPU, strided or of another dtype
+            return None
+        # A Python number as the loss: its value is on the host.
+        return found == 1 or (loss is not None and not isinstance(loss, torch.Tensor)
+                              and not math.isfinite(float(loss)))
+
+    def _ranks_to_agree(self):
+        """Whether the flag is reduced over ranks (torch.distributed runs, more than one)."""
+        import torch.distributed as dist
+
+        return self.sync_ranks and dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size(self.process_group) > 1
+
     def _agreed(self, found):
         """The flag, reduced (max) over the ranks when torch.distributed runs: one
         all_reduce of one float, queued on the device's stream with NCCL (no host
         sync); with gloo, a blocking exchange of that float on the host."""
         import torch.distributed as dist
 
-        if not (self.sync_ranks and dist.is_available() and dist.is_initialized()) or \
-                dist.get_world_size(self.process_group) <= 1:
+        if not self._ranks_to_agree():
             return found
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         return found
@@ -283,6 +323,25 @@ class FiniteGuard:
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
+        bad = self._host_found(params, loss)
+        if bad is None:
+            bad = self._device_step(params, loss, closure)
+        else:  # the CPU's path: any optimizer is called or not by the scan's answer
+            if self.clip_norm is not None:
+                self._clip(params, torch.full((1,), float(bad)))
+            if not bad:
+                self._call_step(closure)
+            self._skipped_host += bad
+        self.steps += 1
+        if rng is not None and bool(bad):  # a device flag: one sync, only while locating
+            self._localize(closure, rng)
+        if self.log_every and self.steps % self.log_every == 0:
+            self.report()
+        return loss
+
+    def _device_step(self, params, loss, closure):
+        """The step of any other case (an accelerator's, or ranks to agree with): the
+        flag stays on the device and the update is skipped there; returns the flag."""
         found = self._agreed(self._found(params, loss))
         if self.clip_norm is not None:
             self._clip(params, found)
@@ -314,12 +373,7 @@ class FiniteGuard:
             self._step_with_restore(found, closure)
         counted = found.to(torch.int64).reshape(())
         self.skipped = counted if self.skipped is None else self.skipped + counted.to(self.skipped.device)
-        self.steps += 1
-        if rng is not None and bool(found):  # one sync, only while locating
-            self._localize(closure, rng)
-        if self.log_every and self.steps % self.log_every == 0:
-            self.report()
-        return loss
+        return found
 
     def _localize(self, closure, rng):
         """Runs the skipped step's closure again under detect_anomaly (the first

@@ -323,16 +323,41 @@ def test_cpu_scan_reports_exactly_what_the_region_checks(dtype):
     bad = torch.tensor([nan], dtype=dtype)
     assert any_nonfinite([torch.ones(3, dtype=dtype), torch.arange(3), torch.empty(0), bad],
                          True) == 1
-    # Left to the caller: non-contiguous, larger than the scan takes.
+    # Left to the caller: non-contiguous. A found value still answers 1.
     assert any_nonfinite([torch.zeros(10, dtype=dtype)[::2]], True) == -1
-    assert any_nonfinite([torch.zeros(2**18 + 1, dtype=dtype)], True) == -1
+    assert any_nonfinite([torch.zeros(10, dtype=dtype)[::2], bad], True) == 1
+
+
+@independent
+def test_cpu_scan_of_many_entries_splits_them_over_threads_exactly():
+    # Past 64K entries in all the scan runs in ranges of the tensors joined end
+    # to end, over ATen's threads: a value at each tensor's edges and at a
+    # range's edges is found, in whichever tensor of the list it lies.
+    from nanfree._C import any_nonfinite
+
+    sizes = [3, 70000, 1, 2**16, 2**17 + 5]
+    for index in range(len(sizes)):
+        for where in {0, sizes[index] // 2, sizes[index] - 1}:
+            for value, check_inf, want in ((float("nan"), False, 1), (float("inf"), True, 1),
+                                           (float("inf"), False, 0)):
+                tensors = [torch.zeros(n) for n in sizes]
+                tensors[index][where] = value
+                assert any_nonfinite(tensors, check_inf) == want, (index, where, value)
+    assert any_nonfinite([torch.zeros(2**20, dtype=torch.float16)] * 3, True) == 0
+    # Complex tensors: their real and imaginary parts.
+    z = torch.zeros(70000, dtype=torch.complex64)
+    assert any_nonfinite([z], True) == 0
+    z[-1] = complex(0.0, float("inf"))
+    assert (any_nonfinite([z], True), any_nonfinite([z], False)) == (1, 0)
+    z[3] = complex(float("nan"), 0.0)
+    assert any_nonfinite([z], False) == 1
 
 
 @independent
 @pytest.mark.parametrize("shape", ["large", "strided"])
 def test_outputs_the_scan_leaves_are_still_checked(shape):
-    # A NaN in an output the C++ scan does not read (past its size, or not
-    # contiguous) is found by the other check.
+    # A NaN in a large output (scanned on ATen's threads) or one the C++ scan
+    # does not read (not contiguous, found by the other check) is reported.
     x = torch.ones(2**18 + 8) if shape == "large" else torch.ones(64, 64).t()
     x[..., 3] = -1.0
     with pytest.raises(NonFiniteError) as info, detect_anomaly():

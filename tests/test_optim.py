@@ -290,8 +290,9 @@ def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip, path):
     # (an accelerator's, forced here on CPU tensors), skipped or not, reads
     # nothing more than the plain optimizer's own step does (for-loop Adam reads
     # its step counters; on a GPU each read would be a sync). On the CPU's path
-    # an optimizer without found_inf adds one read of the flag per step (a CPU
-    # tensor: it waits for nothing) and fused Adam none.
+    # the check is a C++ scan answering on the host: no tensor is read, and the
+    # skipped steps do not call the optimizer (for-loop Adam's own reads of
+    # those steps are missing).
     def run(guarded):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -328,10 +329,9 @@ def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip, path):
     plain, _ = run(False)
     guarded, guard = run(True)
     if path == "host" and not fused:
-        # Beyond the reads of the optimizer's own steps (fewer: the skipped ones
-        # do not run), one read of the flag per step.
-        extra = collections.Counter(guarded) - collections.Counter(plain)
-        assert extra == collections.Counter({"__bool__": 4}), (guarded, plain)
+        # Nothing beyond the reads of the optimizer's own steps, fewer of which run.
+        assert not collections.Counter(guarded) - collections.Counter(plain), (guarded, plain)
+        assert len(guarded) < len(plain), (guarded, plain)
     else:
         assert guarded == plain, (guarded, plain)
     assert guard.skipped_steps == 2
