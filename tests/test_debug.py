@@ -330,7 +330,7 @@ def test_cpu_scan_reports_exactly_what_the_region_checks(dtype):
 
 @independent
 def test_cpu_scan_of_many_entries_splits_them_over_threads_exactly():
-    # Past 64K entries in all the scan runs in ranges of the tensors joined end
+    # Past 16K entries in all the scan runs in ranges of the tensors joined end
     # to end, over ATen's threads: a value at each tensor's edges and at a
     # range's edges is found, in whichever tensor of the list it lies.
     from nanfree._C import any_nonfinite
@@ -344,6 +344,13 @@ def test_cpu_scan_of_many_entries_splits_them_over_threads_exactly():
                 tensors[index][where] = value
                 assert any_nonfinite(tensors, check_inf) == want, (index, where, value)
     assert any_nonfinite([torch.zeros(2**20, dtype=torch.float16)] * 3, True) == 0
+    # Either side of where ranges of 2 to 8 threads split one tensor.
+    n = 3 * 2**16
+    for where in sorted({max(0, min(n - 1, n * i // k + d)) for k in (2, 3, 4, 6, 8)
+                         for i in range(k + 1) for d in (-1, 0)}):
+        t = torch.zeros(n)
+        t[where] = float("nan")
+        assert any_nonfinite([t], False) == 1, where
     # Complex tensors: their real and imaginary parts.
     z = torch.zeros(70000, dtype=torch.complex64)
     assert any_nonfinite([z], True) == 0
