@@ -25,7 +25,9 @@ With ``clip_norm``, the gradients are clipped by their total norm first, with a
 coefficient that a non-finite norm cannot turn into NaN or 0 in every gradient
 (``torch.nn.utils.clip_grad_norm_`` with one inf gradient writes NaN or 0 into
 all of them): a non-finite norm leaves the gradients as they are (the step is
-skipped anyway).
+skipped anyway). The norms are taken without overflow (float64 sums, or scaled
+by the largest magnitude), so finite gradients whose float32 norm would be inf
+are clipped, not zeroed (``_norms``, ``_clip``).
 
 Skips are counted on the device (``skipped``); every ``log_every`` steps the
 count is read (one sync) and a new skip is logged as a warning, and reading
@@ -239,10 +241,41 @@ class FiniteGuard:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         return found
 
+    def _norms(self, parts):
+        """Per-tensor norms (of norm_type) as float64 tensors, without overflow: a
+        float32 or half gradient's norm is accumulated in float64 (complex64 in
+        complex128), where its entries' powers up to the 8th cannot overflow; a
+        float64 or complex128 gradient, or a norm type above 8, is divided by its
+        largest magnitude first and its norm multiplied back."""
+        p = self.norm_type
+        wide = (torch.float64, torch.complex128)
+        direct = [t for t in parts if t.dtype not in wide and (p <= 8 or math.isinf(p))]
+        scaled = [t for t in parts if not (t.dtype not in wide and (p <= 8 or math.isinf(p)))]
+        norms = []
+        for complex_ in (False, True):
+            group = [t for t in direct if t.is_complex() == complex_]
+            if group:
+                norms += torch._foreach_norm(group, p,
+                                             dtype=torch.complex128 if complex_ else torch.float64)
+        for t in scaled:
+            amax = torch.linalg.vector_norm(t, math.inf, dtype=torch.complex128 if t.is_complex()
+                                            else torch.float64)
+            if math.isinf(p):
+                norms.append(amax)
+                continue
+            # A zero gradient: divided by 1 (its norm is 0 either way).
+            unit = torch.where(amax > 0, amax, 1.0)
+            norms.append(torch.linalg.vector_norm(t / unit.to(t.real.dtype if t.is_complex()
+                                                              else t.dtype), p).double() * unit)
+        return norms
+
     def _clip(self, params, found):
-        """Clip by the total norm (per-gradient norms in float32, so a float16 norm
-        cannot overflow); where found is set (the step is skipped) the gradients
-        stay as they are instead of NaN or 0."""
+        """Clip by the total norm, as clip_grad_norm_ does, but never to 0 or NaN: the
+        norms without overflow (_norms: a finite gradient of 1e20 in float32, whose
+        float32 norm is inf, is scaled to the norm asked instead of to 0), the
+        coefficient applied in float32 (float64 to float64 gradients) and never
+        rounded to a half dtype first (where a coefficient below 6e-8 would be 0).
+        Where found is set (the step is skipped) the gradients stay as they are."""
         by_device = {}  # device -> (dense gradients, sparse gradients)
         for p in params:
             by_device.setdefault(p.grad.device, ([], []))[p.grad.is_sparse].append(p.grad)
@@ -250,21 +283,33 @@ class FiniteGuard:
         for dense, sparse in by_device.values():
             parts = dense + [self._values(g) for g in sparse]
             if parts:
-                norms += [n.to(found.device, non_blocking=n.device.type == "cpu") for n in
-                          torch._foreach_norm(parts, self.norm_type, dtype=torch.float32)]
+                norms += [n.to(found.device, non_blocking=n.device.type == "cpu")
+                          for n in self._norms(parts)]
         if not norms:
             return
-        total = torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
-        coefficient = torch.clamp(self.clip_norm / (total + 1e-6), max=1.0)
-        coefficient = torch.where(found.reshape(()) > 0, 1.0, coefficient)
+        # The total divided by the largest norm (float64 powers of norms near its
+        # largest value would overflow): clip / (total + 1e-6) formed as
+        # (clip / top) / (total / top + 1e-6 / top).
+        stacked = torch.stack(norms)
+        top = stacked.amax()
+        unit = torch.where(top > 0, top, 1.0)  # all gradients zero: any unit
+        coefficient = torch.clamp((self.clip_norm / unit) / (
+            torch.linalg.vector_norm(stacked / unit, self.norm_type) + 1e-6 / unit), max=1.0)
+        # A skipped step's gradients stay as they are; so do they where the coefficient
+        # is not finite (an infinite or NaN norm), never multiplied by NaN.
+        coefficient = torch.where((found.reshape(()) > 0) | ~torch.isfinite(coefficient), 1.0,
+                                  coefficient)
+        wide = (torch.float64, torch.complex128)
         for device, (dense, sparse) in by_device.items():
             factor = coefficient.to(device, non_blocking=device.type != "cpu"
                                     or found.device.type == "cpu")
-            if dense:
-                torch._foreach_mul_(dense, factor.to(dense[0].dtype)
-                                    if not dense[0].is_complex() else factor)
+            narrow_factor = factor.float()
+            for group, f in (([g for g in dense if g.dtype not in wide], narrow_factor),
+                             ([g for g in dense if g.dtype in wide], factor)):
+                if group:
+                    torch._foreach_mul_(group, f)
             for g in sparse:
-                g.mul_(factor)
+                g.mul_(factor if g.dtype in wide else narrow_factor)
 
     def _native_found_inf(self):
         return getattr(self.optimizer, "_step_supports_amp_scaling", False)

@@ -3,6 +3,7 @@ the device, every other step is the optimizer's own."""
 
 import collections
 import copy
+import math
 import warnings
 
 import pytest
@@ -190,6 +191,41 @@ def test_clipping_a_float16_norm_that_overflows_and_sparse_gradients():
     dense(embedding(torch.tensor([1, 2]))).sum().backward()
     guard.step()
     assert (embedding.weight - before).norm() <= 1.01e-3
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("case", ["float32 1e20", "float64 1e300 p=3", "float64 1e300 p=inf",
+                                  "bfloat16 3e38 p=1", "float16 and float32", "complex64 1e20",
+                                  "float32 p=10"])
+def test_finite_gradients_whose_norm_overflows_are_clipped_to_the_norm_asked(case, path):
+    # clip_grad_norm_ takes these norms as inf and writes 0 into every gradient
+    # (or, for a float16 coefficient, rounds it to 0): the guard clips them to
+    # clip_norm, in the total norm of norm_type.
+    norm_type = {"p=3": 3.0, "p=inf": math.inf, "p=1": 1.0, "p=10": 10.0}.get(case.split()[-1], 2.0)
+    specs = {"float32 1e20": [(torch.float32, 1e20, 12), (torch.float32, 1e20, 3)],
+             "float64 1e300 p=3": [(torch.float64, 1e300, 12), (torch.float64, -1e300, 3)],
+             "float64 1e300 p=inf": [(torch.float64, 1e300, 12)],
+             "bfloat16 3e38 p=1": [(torch.bfloat16, 3e38, 8)],
+             # Mixed dtypes: a coefficient of about 4e-9 is 0 in float16.
+             "float16 and float32": [(torch.float16, 6e4, 100), (torch.float32, 1e3, 10)],
+             "complex64 1e20": [(torch.complex64, 1e20, 6)],
+             "float32 p=10": [(torch.float32, 3e38, 4)]}[case]
+    clip = 1e-3 if case == "float16 and float32" else 2.0
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for dtype, _, n in specs]
+    guard = FiniteGuard(torch.optim.SGD(params, lr=1.0), clip_norm=clip, norm_type=norm_type,
+                        log_every=0)
+    guard._read_host_flag = path == "host"
+    for p, (dtype, value, n) in zip(params, specs):
+        p.grad = torch.full((n,), value, dtype=dtype)
+        assert torch.isfinite(p.grad).all()
+    guard.step()
+    assert guard.skipped_steps == 0
+    grads = torch.cat([p.grad.flatten().to(torch.complex128 if p.is_complex() else torch.float64)
+                       for p in params])
+    # Every gradient moved by the same coefficient, to the norm asked.
+    assert all(torch.isfinite(p).all() and (p != 0).all() for p in params)
+    total = float(torch.linalg.vector_norm(grads, norm_type))
+    assert total == pytest.approx(clip, rel=1e-2 if case.startswith(("bfloat16", "float16")) else 1e-5)
 
 
 def test_float64_default_dtype_and_an_existing_found_inf():
