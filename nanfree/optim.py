@@ -51,10 +51,11 @@ import torch
 
 from .debug import NonFiniteError, detect_anomaly
 
-try:  # the CPU's check: one multi-threaded scan in C++, answered on the host
+try:  # the CPU's check (and clipping norm): one multi-threaded scan in C++, answered on the host
     from nanfree._C import any_nonfinite as _any_nonfinite
+    from nanfree._C import nonfinite_and_norm as _nonfinite_and_norm
 except ImportError:
-    _any_nonfinite = None
+    _any_nonfinite = _nonfinite_and_norm = None
 
 __all__ = ["FiniteGuard"]
 
@@ -199,29 +200,36 @@ class FiniteGuard:
             found.fill_(1.0)
         return found
 
-    def _host_found(self, params, loss):
-        """The CPU's path: whether the loss or a gradient is non-finite, as a Python
-        bool, from one scan of every gradient (nanfree._C.any_nonfinite, on ATen's
+    def _host_check(self, params, loss):
+        """The CPU's path: (bad, norm). bad: whether the loss or a gradient is
+        non-finite, a Python bool from one scan of every gradient (on ATen's
         threads; a CPU tensor's values are there when it returns, so it waits for
-        nothing). None where the path does not apply: a tensor off the CPU or of a
-        kind the scan does not read, ranks to agree with, a found_inf already set,
-        no compiled extension."""
+        nothing). norm: with clip_norm, the gradients' total norm taken in the same
+        pass (nanfree._C.nonfinite_and_norm: float64 sums; norm types 1, 2 and inf of
+        float32 and half gradients), else None (_clip takes it). (None, None) where
+        the path does not apply: a tensor off the CPU or of a kind the scan does not
+        read, ranks to agree with, a found_inf already set, no compiled extension."""
         if _any_nonfinite is None or not self._read_host_flag or self._ranks_to_agree():
-            return None
+            return None, None
         # A found_inf or grad_scale set by someone else (a GradScaler): combined with the
         # guard's flag on the device path.
         if getattr(self.optimizer, "found_inf", None) is not None or \
                 getattr(self.optimizer, "grad_scale", None) is not None:
-            return None
-        tensors = [p.grad for p in params]  # a sparse one: -1, the device path checks it
-        if isinstance(loss, torch.Tensor):
-            tensors.append(loss.detach())
-        found = _any_nonfinite(tensors, True)
+            return None, None
+        grads = [p.grad for p in params]  # a sparse one: -1, the device path checks it
+        found, norm = -1, None
+        if self.clip_norm is not None:
+            found, norm = _nonfinite_and_norm(grads, self.norm_type)
+        if found < 0:  # no clipping, or a norm the fused pass does not take
+            found, norm = _any_nonfinite(grads, True), None
+        if found == 0 and isinstance(loss, torch.Tensor):
+            found = _any_nonfinite([loss.detach()], True)
         if found < 0:  # a tensor off the CPU, strided or of another dtype
-            return None
+            return None, None
         # A Python number as the loss: its value is on the host.
-        return found == 1 or (loss is not None and not isinstance(loss, torch.Tensor)
-                              and not math.isfinite(float(loss)))
+        bad = found == 1 or (loss is not None and not isinstance(loss, torch.Tensor)
+                             and not math.isfinite(float(loss)))
+        return bad, norm
 
     def _ranks_to_agree(self):
         """Whether the flag is reduced over ranks (torch.distributed runs, more than one)."""
@@ -299,10 +307,17 @@ class FiniteGuard:
         # is not finite (an infinite or NaN norm), never multiplied by NaN.
         coefficient = torch.where((found.reshape(()) > 0) | ~torch.isfinite(coefficient), 1.0,
                                   coefficient)
+        self._scale(by_device, coefficient)
+
+    @staticmethod
+    def _scale(by_device, coefficient):
+        """Multiplies the gradients ({device: (dense, sparse)}) by the float64 0-d
+        coefficient: in float32 (float64 for float64 gradients), never rounded to a
+        half dtype first (a coefficient below 6e-8 would be 0 in float16)."""
         wide = (torch.float64, torch.complex128)
         for device, (dense, sparse) in by_device.items():
             factor = coefficient.to(device, non_blocking=device.type != "cpu"
-                                    or found.device.type == "cpu")
+                                    or coefficient.device.type == "cpu")
             narrow_factor = factor.float()
             for group, f in (([g for g in dense if g.dtype not in wide], narrow_factor),
                              ([g for g in dense if g.dtype in wide], factor)):
@@ -368,12 +383,16 @@ class FiniteGuard:
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
-        bad = self._host_found(params, loss)
+        bad, norm = self._host_check(params, loss)
         if bad is None:
             bad = self._device_step(params, loss, closure)
         else:  # the CPU's path: any optimizer is called or not by the scan's answer
-            if self.clip_norm is not None:
+            if self.clip_norm is not None and norm is None:
                 self._clip(params, torch.full((1,), float(bad)))
+            elif self.clip_norm is not None and not bad and self.clip_norm / (norm + 1e-6) < 1.0:
+                # The norm of the check's pass (finite: float64 sums of finite entries).
+                self._scale({params[0].grad.device: ([p.grad for p in params], [])},
+                            torch.tensor(self.clip_norm / (norm + 1e-6), dtype=torch.float64))
             if not bad:
                 self._call_step(closure)
             self._skipped_host += bad

@@ -228,6 +228,62 @@ def test_finite_gradients_whose_norm_overflows_are_clipped_to_the_norm_asked(cas
     assert total == pytest.approx(clip, rel=1e-2 if case.startswith(("bfloat16", "float16")) else 1e-5)
 
 
+def test_cpu_check_and_norm_in_one_pass_match_float64_norms():
+    # nanfree._C.nonfinite_and_norm, the CPU path's check and clipping norm:
+    # the total norm of every entry (float32, float16, bfloat16; complex64 for
+    # the 2-norm) as float64 norms give it, across chunk and tensor edges, the
+    # same on one thread as on two; NaN or inf anywhere: found; what it does not
+    # take: -1.
+    from nanfree._C import nonfinite_and_norm
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(40000, generator=gen) * 1e18, torch.randn(7, generator=gen).half(),
+               torch.randn(30001, generator=gen).bfloat16(), torch.randn(16384, generator=gen)]
+    complex_ = torch.randn(9, dtype=torch.complex64, generator=gen)
+    threads = torch.get_num_threads()
+    for p in (2.0, 1.0, math.inf):
+        listed = tensors + ([complex_] if p == 2.0 else [])
+        want = float(torch.linalg.vector_norm(torch.cat(
+            [torch.view_as_real(t).flatten().double() if t.is_complex() else t.double()
+             for t in listed]), p))
+        found, norm = nonfinite_and_norm(listed, p)
+        assert found == 0 and norm == pytest.approx(want, rel=1e-12), p
+        torch.set_num_threads(1)
+        try:
+            assert nonfinite_and_norm(listed, p) == (found, norm)  # bit for bit
+        finally:
+            torch.set_num_threads(threads)
+    for index, where in ((0, 0), (0, 39999), (2, 16383), (2, 30000), (3, 5)):
+        bad = [t.clone() for t in tensors]
+        bad[index][where] = float("inf") if where % 2 else float("nan")
+        assert nonfinite_and_norm(bad, 2.0)[0] == 1, (index, where)
+    for refused, p in (([torch.ones(3, dtype=torch.float64)], 2.0), (tensors, 3.0),
+                       ([complex_], 1.0), ([torch.ones(4, 4).t()], 2.0),
+                       ([torch.ones(3).to_sparse()], 2.0)):
+        assert nonfinite_and_norm(refused, p)[0] == -1
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_cpu_path_clips_from_its_check_pass_as_clip_grad_norm(monkeypatch, norm_type):
+    # On the CPU's path the 1-, 2- and inf-norms come from the check's own pass
+    # (no second read of the gradients: _clip is not called); the result is
+    # clip_grad_norm_'s either way.
+    model, ref = _model(), _model()
+    x = torch.randn(5, 4)
+    _grads(model, x), _grads(ref, x)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=norm_type)
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.0), clip_norm=0.01,
+                        norm_type=norm_type, log_every=0)
+    calls = []
+    original = FiniteGuard._clip
+    monkeypatch.setattr(FiniteGuard, "_clip",
+                        lambda self, *args: (calls.append(1), original(self, *args))[1])
+    guard.step()
+    assert bool(calls) == (norm_type == 3.0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_float64_default_dtype_and_an_existing_found_inf():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
