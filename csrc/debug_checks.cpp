@@ -44,6 +44,17 @@ inline __attribute__((always_inline)) U carried_bits_portable(const U* bits, int
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// The CPU's vector extensions, read once: the ISA copies below run where present.
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return has;
+}
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
 // The same loop compiled for AVX2 (this file is built for the baseline ISA,
 // SSE2: a quarter of AVX2's width), taken when the CPU has it.
 template <typename U>
@@ -64,10 +75,8 @@ __attribute__((target("avx512f,avx512bw"), optimize("unroll-loops"))) U carried_
 template <typename U>
 U carried_bits(const U* bits, int64_t start, int64_t end, U mask, U offset) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  if (avx512) return carried_bits_avx512(bits, start, end, mask, offset);
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return carried_bits_avx2(bits, start, end, mask, offset);
+  if (cpu_has_avx512()) return carried_bits_avx512(bits, start, end, mask, offset);
+  if (cpu_has_avx2()) return carried_bits_avx2(bits, start, end, mask, offset);
 #endif
   return carried_bits_portable(bits, start, end, mask, offset);
 }
@@ -248,10 +257,8 @@ template <int P, typename T>
 void power_sum(const void* data, int64_t start, int64_t end, double (&acc)[8]) {
   const T* x = static_cast<const T*>(data);
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  if (avx512) return power_sum_avx512<P>(x, start, end, acc);
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return power_sum_avx2<P>(x, start, end, acc);
+  if (cpu_has_avx512()) return power_sum_avx512<P>(x, start, end, acc);
+  if (cpu_has_avx2()) return power_sum_avx2<P>(x, start, end, acc);
 #endif
   power_sum_portable<P>(x, start, end, acc);
 }

@@ -59,6 +59,9 @@ except ImportError:
 
 __all__ = ["FiniteGuard"]
 
+# Gradient dtypes whose norms are taken scaled and whose clipping factor stays float64.
+_WIDE = (torch.float64, torch.complex128)
+
 
 def _rng_state():
     state = {"cpu": torch.get_rng_state()}
@@ -109,7 +112,7 @@ class FiniteGuard:
         self.sync_ranks = bool(sync_ranks)
         self.steps = 0
         self.skipped = None  # device counter of skipped steps (int64), made on first use
-        self._skipped_host = 0  # skips decided on the CPU's path (_host_found)
+        self._skipped_host = 0  # skips decided on the CPU's path (_host_check)
         self._skipped_before = 0  # skips counted before a load_state_dict
         self._logged = 0
         self.last_report = None  # the first skipped step's report (False: not reproducible)
@@ -256,9 +259,9 @@ class FiniteGuard:
         float64 or complex128 gradient, or a norm type above 8, is divided by its
         largest magnitude first and its norm multiplied back."""
         p = self.norm_type
-        wide = (torch.float64, torch.complex128)
-        direct = [t for t in parts if t.dtype not in wide and (p <= 8 or math.isinf(p))]
-        scaled = [t for t in parts if not (t.dtype not in wide and (p <= 8 or math.isinf(p)))]
+        summable = p <= 8 or math.isinf(p)  # in float64, for float32 and half entries
+        direct = [t for t in parts if summable and t.dtype not in _WIDE]
+        scaled = [t for t in parts if not (summable and t.dtype not in _WIDE)]
         norms = []
         for complex_ in (False, True):
             group = [t for t in direct if t.is_complex() == complex_]
@@ -314,17 +317,16 @@ class FiniteGuard:
         """Multiplies the gradients ({device: (dense, sparse)}) by the float64 0-d
         coefficient: in float32 (float64 for float64 gradients), never rounded to a
         half dtype first (a coefficient below 6e-8 would be 0 in float16)."""
-        wide = (torch.float64, torch.complex128)
         for device, (dense, sparse) in by_device.items():
             factor = coefficient.to(device, non_blocking=device.type != "cpu"
                                     or coefficient.device.type == "cpu")
             narrow_factor = factor.float()
-            for group, f in (([g for g in dense if g.dtype not in wide], narrow_factor),
-                             ([g for g in dense if g.dtype in wide], factor)):
+            for group, f in (([g for g in dense if g.dtype not in _WIDE], narrow_factor),
+                             ([g for g in dense if g.dtype in _WIDE], factor)):
                 if group:
                     torch._foreach_mul_(group, f)
             for g in sparse:
-                g.mul_(factor if g.dtype in wide else narrow_factor)
+                g.mul_(factor if g.dtype in _WIDE else narrow_factor)
 
     def _native_found_inf(self):
         return getattr(self.optimizer, "_step_supports_amp_scaling", False)
@@ -389,10 +391,12 @@ class FiniteGuard:
         else:  # the CPU's path: any optimizer is called or not by the scan's answer
             if self.clip_norm is not None and norm is None:
                 self._clip(params, torch.full((1,), float(bad)))
-            elif self.clip_norm is not None and not bad and self.clip_norm / (norm + 1e-6) < 1.0:
+            elif self.clip_norm is not None and not bad:
                 # The norm of the check's pass (finite: float64 sums of finite entries).
-                self._scale({params[0].grad.device: ([p.grad for p in params], [])},
-                            torch.tensor(self.clip_norm / (norm + 1e-6), dtype=torch.float64))
+                coefficient = self.clip_norm / (norm + 1e-6)
+                if coefficient < 1.0:
+                    self._scale({params[0].grad.device: ([p.grad for p in params], [])},
+                                torch.tensor(coefficient, dtype=torch.float64))
             if not bad:
                 self._call_step(closure)
             self._skipped_host += bad
