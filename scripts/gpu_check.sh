@@ -11,7 +11,10 @@
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
 # (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build,
 # CHECKS (the logs to make, default "cuda triton memcheck racecheck extra"),
-# CUDA_WORKERS and TRITON_WORKERS (pytest-xdist workers of the two passes, 4 and 9).
+# CUDA_WORKERS and TRITON_WORKERS (pytest-xdist workers of the two passes, 4 and 9),
+# CUDA_SELECT (the CUDA pass's -k expression, default "cuda or not cpu": the tests
+# on CPU tensors are the CPU passes' and are left out), MEMCHECK_TESTS (the test
+# files memcheck runs the CUDA cases of, default every special-value table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${1:-gpu-logs}"
@@ -37,12 +40,12 @@ python3 -c "import nanfree, json; print(json.dumps(nanfree.backend_info()['ops']
 pytest=(python3 -m pytest -q -p no:cacheprovider -rfE --tb=line)
 checks=" ${CHECKS:-cuda triton memcheck racecheck extra} "
 selected() { [[ "$checks" == *" $1 "* ]]; }
-selected cuda && timeout -s INT -k 10 "$limit" "${pytest[@]}" -n "${CUDA_WORKERS:-4}" tests \
-  >"$logs/cuda.log" 2>&1 &
+selected cuda && timeout -s INT -k 10 "$limit" "${pytest[@]}" -n "${CUDA_WORKERS:-4}" \
+  -k "${CUDA_SELECT:-cuda or not cpu}" tests >"$logs/cuda.log" 2>&1 &
 selected triton && NANFREE_BACKEND=triton timeout -s INT -k 10 "$limit" "${pytest[@]}" \
   -n "${TRITON_WORKERS:-9}" -m "not backend_independent" tests >"$logs/triton.log" 2>&1 &
 selected memcheck && timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 \
-  "${pytest[@]}" -k cuda tests/test_*_special_values.py >"$logs/memcheck.log" 2>&1 &
+  "${pytest[@]}" -k cuda ${MEMCHECK_TESTS:-tests/test_*_special_values.py} >"$logs/memcheck.log" 2>&1 &
 selected racecheck && timeout "$limit" compute-sanitizer --tool racecheck --error-exitcode 9 \
   python3 scripts/gpu_checks.py --smoke >"$logs/racecheck.log" 2>&1 &
 selected extra && timeout "$limit" python3 scripts/gpu_checks.py >"$logs/extra.log" 2>&1 &

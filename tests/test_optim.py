@@ -427,3 +427,70 @@ def test_a_steady_step_adds_no_host_read(monkeypatch, fused, clip, path):
     else:
         assert guarded == plain, (guarded, plain)
     assert guard.skipped_steps == 2
+
+
+# --- on a GPU: the device path as it runs there ------------------------------------------
+
+# Optimizers whose state lives on the GPU beside the parameters; the others keep
+# their step counters on the CPU (non-capturable Adam and NAdam, Rprop's step
+# sizes are on the GPU), so restoring them after a skipped step reads the flag.
+_STATE_ON_DEVICE = {"sgd-momentum", "sgd-fused-momentum", "sgd-dampening", "adamw-fused"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cuda_skips_are_bit_identical_and_add_no_sync(name):
+    # On CUDA tensors: a skipped step leaves parameters and state bit-identical,
+    # and a steady step (after the first, which reads the flag once) synchronizes
+    # no more often than the optimizer's own step, counted by torch's sync debug
+    # mode (a warning per synchronizing call).
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 1)).cuda()
+
+    batches = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)).cuda()
+               for i in range(6)]
+    bad_steps = (2, 4)
+
+    def run(guarded):
+        net = model()
+        optimizer = OPTIMIZERS[name](net.parameters())
+        guard = FiniteGuard(optimizer, log_every=0) if guarded else None
+        syncs, counted, snapshots = 0, 0, []
+        for i, x in enumerate(batches):
+            if not guarded and i in bad_steps:
+                continue  # the plain optimizer never sees the bad batches
+            _grads(net, x)
+            if i in bad_steps:
+                net[0].weight.grad[0, 0] = float("inf")
+                snapshots.append((_snapshot(net), _state_tensors(optimizer)))
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    (guard or optimizer).step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if i > 0:
+                syncs += sum("synchronizing" in str(w.message) for w in caught)
+                counted += 1
+            if i in bad_steps:
+                params, state = snapshots[-1]
+                assert _unchanged(params, net)
+                assert all(torch.equal(a, b) for a, b in zip(state, _state_tensors(optimizer)))
+        return net, syncs / counted, guard
+
+    # Syncs per steady step; the guarded run also calls the optimizer on the
+    # skipped steps (stepped, then restored), the plain one never sees them.
+    plain, plain_rate, _ = run(False)
+    guarded, guarded_rate, guard = run(True)
+    for a, b in zip(plain.parameters(), guarded.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert guard.skipped_steps == len(bad_steps)
+    extra = guarded_rate - plain_rate
+    if name in _STATE_ON_DEVICE:
+        assert extra == 0, (plain_rate, guarded_rate)
+    else:  # CPU step counters: at most one read of the flag per step to restore them
+        assert 0 <= extra <= 1, (plain_rate, guarded_rate)
