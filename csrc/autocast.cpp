@@ -28,6 +28,7 @@
 // autocast, and so does cos_sim_matrix. The MNR loss is computed in float32
 // from float32 embeddings, as the composed loss's cross_entropy is, and no
 // GEMM inside its kernels is lowered by autocast.
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -126,24 +127,21 @@ at::Tensor pow_in_float32(const at::Tensor& input, const at::Tensor& exponent) {
   return op.call(autocast_to_float(input), autocast_to_float(exponent));
 }
 
-// atan2 under torch's promote policy (at::autocast::promote_type and
-// cached_cast): the autocast-eligible inputs (floating, on the autocast key's
-// device, not float64) go to float32 if one is float32, else stay at the lower
-// precision; the others are left alone, and the op's own type promotion follows.
+// atan2 under torch's promote policy, through torch's own promote_type and
+// cached_cast: the autocast-eligible inputs (floating, on the device, not
+// float64) go to float32 if one is float32, else stay at the autocast dtype;
+// an eligible input of another lower precision (bfloat16 under float16
+// autocast) is refused as torch.atan2 refuses it. The op's own type promotion
+// follows.
 template <c10::DispatchKey key>
 at::Tensor atan2_promoted(const at::Tensor& input, const at::Tensor& other) {
   static const auto op = find_op<ElementwiseBinarySignature>("nanfree::atan2");
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
-  auto eligible = [](const at::Tensor& t) {
-    return t.is_cuda() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kDouble;
-  };
-  bool any_float = false;
-  for (const at::Tensor* t : {&input, &other}) {
-    any_float = any_float || (eligible(*t) && t->scalar_type() == at::kFloat);
-  }
-  if (!any_float) return op.call(input, other);  // all eligible at the lower precision already
-  auto cast = [&](const at::Tensor& t) { return eligible(t) ? t.to(at::kFloat) : t; };
-  return op.call(cast(input), cast(other));
+  constexpr auto device = c10::DeviceType::CUDA;
+  const at::ScalarType type = at::autocast::promote_type(
+      at::autocast::get_lower_precision_fp_from_device_type(device), device, input, other);
+  return op.call(at::autocast::cached_cast(type, input, device),
+                 at::autocast::cached_cast(type, other, device));
 }
 
 constexpr char kLogName[] = "nanfree::log";

@@ -407,6 +407,7 @@ class _Checker(TorchDispatchMode):
         self.allow = tuple(allow)
         self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
         self.pending = {}  # id(node) -> the first error of a backward node still running
+        self.own_ops = False  # the checks' own ops (run outside __torch_dispatch__) pass
 
     def _nonfinite(self, tensors):
         """Whether any of the tensors may hold NaN or +-inf. Contiguous CPU
@@ -460,7 +461,7 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _schema_facts(func)[1]:  # views only: nothing new to check
+        if self.own_ops or _schema_facts(func)[1]:  # the checks' own ops; views: nothing new
             return func(*args, **kwargs)
         if func.overloadpacket in _UNINITIALIZED:
             # Memory not yet written (whatever bits it holds are not a result):
@@ -519,8 +520,17 @@ class _Checker(TorchDispatchMode):
 
         def finished(grad_inputs, grad_outputs):
             kept = self.pending.pop(key, None)
+            if kept is None:
+                return
             outputs = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-            if kept is not None and any(self._bad(g) for g in outputs):
+            # The hook runs with the region's mode active: the check's own ops (a
+            # sum of each CUDA gradient) must not be checked as the region's.
+            self.own_ops = True
+            try:
+                bad = any(self._bad(g) for g in outputs)
+            finally:
+                self.own_ops = False
+            if bad:
                 raise kept
 
         node.register_hook(finished)

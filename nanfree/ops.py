@@ -416,7 +416,8 @@ def asin(input, *, out=None):
     return _unary("asin", input, out)
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FINITE_MAX = {dtype: torch.finfo(dtype).max
+               for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
 
 
 def _binary_operand(op, name, value, like):
@@ -436,15 +437,24 @@ def _binary_operand(op, name, value, like):
     if type(value).__module__ == "numpy":  # a numpy scalar: its Python number
         value = value.item()
     dtype = like.dtype if like.dtype.is_floating_point else torch.get_default_dtype()
-    if ((type(value) is float and (dtype != torch.float32 or not math.isfinite(value)
-                                   or abs(value) <= _FLOAT32_MAX))
-            or (type(value) is int and abs(value) < 2**53)):
+    if is_symbolic(value) or _within_range(value, dtype):
         # Made in the dtype at once (a third of the time of the cast below):
-        # scalar_tensor rounds as the cast does, and refuses only float32 beyond its range.
+        # scalar_tensor rounds as the cast does, but refuses a finite number beyond
+        # the dtype's largest (on CUDA for every dtype, on the CPU for float32).
         return torch.scalar_tensor(value, dtype=dtype, device=like.device)
     # Made in float64 and cast: a number beyond the dtype's range is its infinity
     # (torch.full would refuse it), as in torch's own ops.
     return torch.full((), value, dtype=torch.float64, device=like.device).to(dtype)
+
+
+def _within_range(value, dtype):
+    """Whether torch.scalar_tensor takes the number in the dtype: NaN, an
+    infinity, or a finite number up to the dtype's largest (an int also exact in
+    float64)."""
+    if type(value) is int:
+        return abs(value) < 2**53 and abs(value) <= _FINITE_MAX.get(dtype, math.inf)
+    return type(value) is float and (dtype == torch.float64 or not math.isfinite(value)
+                                     or abs(value) <= _FINITE_MAX.get(dtype, math.inf))
 
 
 def _exact_in(dtype, value):

@@ -9,9 +9,15 @@ update on the device, without a host sync:
 - an optimizer that takes a ``found_inf`` flag (the fused implementations of
   Adam, AdamW, SGD, ...: ``_step_supports_amp_scaling``) gets the flag and skips
   the update itself;
-- any other optimizer steps, and every parameter and state tensor it changed is
-  put back where the flag is set (``torch.where`` from a copy taken before the
-  step): the same result, at the cost of one copy of the parameters and state;
+- any other optimizer whose state is on the parameters' device steps, and every
+  parameter and state tensor it changed is put back where the flag is set
+  (``torch.where`` from a copy taken before the step): the same result, at the
+  cost of one copy of the parameters and state;
+- an optimizer that keeps state on the CPU for parameters on an accelerator
+  (the step counters of non-capturable Adam, AdamW, NAdam, ...): restoring
+  that state needs the flag on the host, so the flag is read (one sync per
+  step, as GradScaler's) and the optimizer is called or not by it, with no
+  copy;
 - a step that would create optimizer state (a parameter's first) reads the flag
   once and, when set, does not call the optimizer: a skipped first step leaves
   no state behind;
@@ -335,6 +341,14 @@ class FiniteGuard:
         """Whether the step would create state for a parameter (its first step)."""
         return any(len(self.optimizer.state.get(p, {})) == 0 for p in params)
 
+    def _state_on_cpu(self, found):
+        """Whether the flag is on an accelerator and the optimizer keeps state on the
+        CPU (non-capturable Adam's step counters): restoring that state after a
+        skipped step would read the flag anyway (a copy to the CPU that waits)."""
+        return found.device.type != "cpu" and any(
+            isinstance(v, torch.Tensor) and v.device.type == "cpu"
+            for st in self.optimizer.state.values() for v in st.values())
+
     def _on_host(self, found):
         """Whether the flag and every parameter (so their optimizer state) are on the CPU."""
         return self._read_host_flag and found.device.type == "cpu" and all(
@@ -413,12 +427,15 @@ class FiniteGuard:
         found = self._agreed(self._found(params, loss))
         if self.clip_norm is not None:
             self._clip(params, found)
-        if self._first_state(params) or (not self._native_found_inf() and self._on_host(found)):
+        if self._first_state(params) or (not self._native_found_inf() and (
+                self._on_host(found) or self._state_on_cpu(found))):
             # The step would create state (a first step): a skipped one must create
             # none (fused SGD's momentum buffer is allocated, not written, when it
             # skips). One sync, on such steps only. On the CPU (_on_host) reading the
             # flag waits for nothing: an optimizer without found_inf steps or not by it
-            # instead of stepping and restoring.
+            # instead of stepping and restoring. State on the CPU for parameters on an
+            # accelerator (_state_on_cpu) could only be restored by reading the flag:
+            # read once, and no copy or restore.
             if not bool(found):
                 self._call_step(closure)
         elif self._native_found_inf():

@@ -151,7 +151,11 @@ def test_autocast_keeps_the_dtype_as_torch(device, op, dtype):
     autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
     with torch.autocast(device_type=device, dtype=autocast_dtype):
         y, t = getattr(nf, op)(x), getattr(torch, op)(x)
-    assert y.dtype == t.dtype == dtype
+    assert y.dtype == t.dtype
+    # CUDA autocast runs log, log1p, acos and asin in float32 (torch's fp32 list);
+    # CPU autocast has no row for them, nor for sqrt anywhere.
+    on_fp32_list = device == "cuda" and op in ("log", "log1p", "acos", "asin")
+    assert y.dtype == (torch.float32 if on_fp32_list else dtype)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -52,7 +52,7 @@ def test_half_grid(device, op, dtype):
         if name != "value":
             assert bool((torch.isfinite(t) | nan_in).all()), f"{name}: not finite"
     # An infinite value only where the float64 op's value is infinite or beyond the dtype.
-    wide = getattr(nf, op)(a0.double(), b0.double()).to(dtype).to(device)
+    wide = getattr(nf, op)(a0.double().to(device), b0.double().to(device)).to(dtype)
     infinite = torch.isinf(y.detach())
     assert torch.equal(y.detach()[infinite], wide[infinite])
 

@@ -1,6 +1,7 @@
 """Launcher plumbing shared by the Triton op families (softmax.py, cosine.py,
-gem.py, mnr.py): in which mode the kernels run, the refusal of a device that
-mode cannot run, and the CUDA device guard. No kernel and no numerics in here.
+gem.py, mnr.py, elementwise.py, losses.py): in which mode the kernels run, the
+options of every launch, the refusal of a device that mode cannot run, and the
+CUDA device guard. No kernel and no numerics in here.
 
 The kernels run where the Triton of this process can run them: CPU tensors
 when they were defined under Triton's interpreter (TRITON_INTERPRET=1 when the
@@ -18,6 +19,14 @@ try:
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
 except ImportError:  # a Triton without an interpreter
     _InterpretedFunction = None
+
+
+# Options of every launch. Compiled Triton links libdevice with
+# nvvm-reflect-ftz set unless told otherwise, so its float32 functions (log1p,
+# asin, pow, atan2, exp, ...) flush subnormal inputs and results to zero, which
+# the rules forbid (log1p(x) = x for a subnormal x, as the C++ kernels and torch
+# give; bfloat16's subnormals are float32's): off. The interpreter ignores it.
+LAUNCH = {"enable_reflect_ftz": False}
 
 
 def kernels_interpreted(kernels):

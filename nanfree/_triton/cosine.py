@@ -481,7 +481,7 @@ def normalize(input, eps):
     with device_guard(x):
         _normalize_kernel[_grid(n_rows, block_r)](
             x, out, stats, n_rows, d, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
-            SINGLE_BLOCK=single, num_warps=num_warps)
+            SINGLE_BLOCK=single, num_warps=num_warps, **common.LAUNCH)
     return out, stats
 
 
@@ -498,7 +498,7 @@ def normalize_backward(grad_output, output, stats):
     with device_guard(y):
         _normalize_backward_kernel[_grid(n_rows, block_r)](
             g, y, stats, grad_input, n_rows, d, BLOCK_R=block_r, BLOCK_D=block_d,
-            SINGLE_BLOCK=single, num_warps=num_warps)
+            SINGLE_BLOCK=single, num_warps=num_warps, **common.LAUNCH)
     return grad_input
 
 
@@ -518,7 +518,7 @@ def cosine_similarity(x1, x2, eps):
     with device_guard(a):
         _cosine_kernel[_grid(n_rows, block_r)](
             a, b, out, stats, n_rows, d, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
-            SINGLE_BLOCK=single, num_warps=num_warps)
+            SINGLE_BLOCK=single, num_warps=num_warps, **common.LAUNCH)
     return out, stats
 
 
@@ -541,7 +541,7 @@ def cosine_similarity_backward(grad_output, x1, x2, output, stats):
     with device_guard(a):
         _cosine_backward_kernel[_grid(n_rows, block_r)](
             g, a, b, c, stats, grad_x1, grad_x2, n_rows, d, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=num_warps)
+            num_warps=num_warps, **common.LAUNCH)
     return grad_x1, grad_x2
 
 
@@ -564,5 +564,5 @@ def cos_sim_matrix(a, b):
             a, b, out, n_rows, n_cols, d, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             BLOCK_N=GEMM_BLOCK_N, BLOCK_M=GEMM_BLOCK_M, BLOCK_K=GEMM_BLOCK_K,
             GROUP_N=GEMM_GROUP_N, DOT_IN_ACC=dot_in_acc, num_warps=GEMM_NUM_WARPS,
-            num_stages=GEMM_NUM_STAGES)
+            num_stages=GEMM_NUM_STAGES, **common.LAUNCH)
     return out

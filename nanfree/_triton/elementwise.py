@@ -581,7 +581,7 @@ def _launch(op, order, grad, x):
     with device_guard(x):
         _unary_kernel[(triton.cdiv(n, _BLOCK),)](
             x if grad is None else grad, x, out, n, OP=_ew.UNARY_OPS.index(op),
-            ORDER=order, ACC=_TL_ACC[acc], BLOCK=_BLOCK)
+            ORDER=order, ACC=_TL_ACC[acc], BLOCK=_BLOCK, **common.LAUNCH)
     return out
 
 
@@ -626,7 +626,7 @@ def _launch_binary(op, order, partial, grad, a, b, out, out2=None):
         _binary_kernel[(triton.cdiv(n, _BLOCK),)](
             g, fa, a_step, fb, b_step, out, out if out2 is None else out2, n,
             OP=_ew.BINARY_OPS.index(op), ORDER=order, PARTIAL=partial, BOTH=out2 is not None,
-            ACC=_TL_ACC[acc_dtype(out.dtype)], BLOCK=_BLOCK)
+            ACC=_TL_ACC[acc_dtype(out.dtype)], BLOCK=_BLOCK, **common.LAUNCH)
     return out
 
 

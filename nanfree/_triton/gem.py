@@ -579,7 +579,7 @@ def gem(input, p, p_value, eps, mask=None):
         _gem_kernel[(grid,)](
             x, p_t, m, out, stats, outer, n, inner, n_iblocks, p_v, float(eps), ms0, ms1, ms2,
             ROWS=rows, HAS_MASK=has_mask, P_TENSOR=p_tensor, BLOCK_J=block_j, BLOCK_K=block_k,
-            SINGLE=single, num_warps=num_warps, enable_reflect_ftz=False)
+            SINGLE=single, num_warps=num_warps, **common.LAUNCH)
     return out, stats
 
 
@@ -606,7 +606,7 @@ def gem_backward(grad_output, input, p, p_value, stats, eps, mask, p_grad):
         _gem_backward_kernel[(grid,)](
             g, x, p_t, st, m, grad_input, partials, outer, n, inner, n_iblocks, p_v, float(eps),
             ms0, ms1, ms2, ROWS=rows, HAS_MASK=has_mask, P_TENSOR=p_tensor, P_GRAD=p_grad,
-            BLOCK_J=block_j, BLOCK_K=block_k, num_warps=num_warps, enable_reflect_ftz=False)
+            BLOCK_J=block_j, BLOCK_K=block_k, num_warps=num_warps, **common.LAUNCH)
     # Summed without overflow as every backend does (gem_p_grad_total; deterministic).
     grad_p = gem_p_grad_total(partials, acc) if p_grad else x.new_empty((0,), dtype=acc)
     return grad_input, grad_p

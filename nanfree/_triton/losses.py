@@ -693,7 +693,7 @@ def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, 
             g, g_step, x, t, w, w_step, pw, pw_step, out, n, float(alpha), float(gamma),
             KIND=int(kind), BACKWARD=grad is not None, PARTIAL=int(partial),
             HAS_W=weight is not None, HAS_PW=pos_weight is not None, SUM=summed,
-            ACC=_TL_ACC[acc_dtype(x.dtype)], BLOCK=_BLOCK)
+            ACC=_TL_ACC[acc_dtype(x.dtype)], BLOCK=_BLOCK, **common.LAUNCH)
     return out
 
 
@@ -764,7 +764,7 @@ def cross_entropy(input, target, weight, mask, ignore_index, label_smoothing):
             x, tgt, tgt, w, m, loss, stats, classes, inner, n_iblocks, ms0, ms1, ms2,
             int(ignore_index), float(label_smoothing), INDEX=index, HAS_W=weight is not None,
             HAS_MASK=mask is not None, SECOND_PASS=not index or label_smoothing != 0,
-            BLOCK_C=block_c, BLOCK_I=block_i, num_warps=num_warps)
+            BLOCK_C=block_c, BLOCK_I=block_i, num_warps=num_warps, **common.LAUNCH)
     return loss, stats
 
 
@@ -790,5 +790,5 @@ def cross_entropy_backward(grad, input, target, weight, mask, ignore_index, labe
             classes, inner, n_iblocks, ms0, ms1, ms2, int(ignore_index), float(label_smoothing),
             INDEX=index, HAS_W=weight is not None, HAS_MASK=mask is not None,
             TARGET_GRAD=bool(target_grad), BLOCK_C=block_c, BLOCK_I=block_i,
-            num_warps=num_warps)
+            num_warps=num_warps, **common.LAUNCH)
     return grad_input, grad_target

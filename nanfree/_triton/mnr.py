@@ -733,8 +733,7 @@ def _forward(launch):
         _mnr_forward_kernel[(launch.row_blocks, 1, splits)](
             launch.q, launch.d, launch.scale_t, part, positions, p.r, p.d, p.offset, p.rows,
             p.owned_end, first_len, second_len, per, launch.scale_value, p.hardness_strength,
-            ROW_KIND=kind, num_warps=NUM_WARPS, enable_reflect_ftz=False,
-            **launch.common_args())
+            ROW_KIND=kind, num_warps=NUM_WARPS, **launch.common_args(), **common.LAUNCH)
         parts.append(part)
         n_splits.append(splits)
     stats = torch.empty((p.rows, STATS), dtype=launch.acc, device=launch.device)
@@ -742,8 +741,7 @@ def _forward(launch):
     part_p = parts[-1]
     _mnr_finish_kernel[(triton.cdiv(p.rows, FINISH_BLOCK),)](
         parts[0], part_p, positions, stats, loss_rows, p.rows, n_splits[0], n_splits[-1],
-        PER_DIRECTION=p.per_direction, HAS_P=p.has_p_row, BLOCK=FINISH_BLOCK,
-        enable_reflect_ftz=False)
+        PER_DIRECTION=p.per_direction, HAS_P=p.has_p_row, BLOCK=FINISH_BLOCK, **common.LAUNCH)
     return loss_rows, stats
 
 
@@ -755,7 +753,7 @@ def _gradients(launch, stats, upstream, want_scale):
     stats = stats.contiguous()
     kernel_args = dict(SPLIT=launch.split, PRESCALE=launch.prescale, BLOCK_D=launch.block_d,
                        PER_DIRECTION=p.per_direction, HAS_P=p.has_p_row, num_warps=NUM_WARPS,
-                       enable_reflect_ftz=False, **launch.common_args())
+                       **launch.common_args())
     bufs, sgrads = {}, []
     for kind in launch.kinds:
         first_len, second_len = launch.segments(kind)
@@ -765,7 +763,7 @@ def _gradients(launch, stats, upstream, want_scale):
         _mnr_row_grad_kernel[(launch.row_blocks, 1, splits)](
             launch.q, launch.d, launch.scale_t, stats, up, buf, sgrad, p.r, p.d, p.offset, p.rows,
             p.owned_end, first_len, second_len, per, launch.scale_value, p.hardness_strength,
-            ROW_KIND=kind, **kernel_args)
+            ROW_KIND=kind, **kernel_args, **common.LAUNCH)
         bufs[kind] = (buf, splits)
         sgrads.append(sgrad.reshape(-1))
     flags = dict(QUERY_TO_QUERY=p.query_to_query, DOC_TO_QUERY=p.doc_to_query,
@@ -782,7 +780,7 @@ def _gradients(launch, stats, upstream, want_scale):
                 launch.q, launch.d, launch.scale_t, factor, stats, up, buf, colbuf, out, p.r,
                 p.m, p.d, p.offset, p.rows, p.owned_end, splits, launch.scale_value,
                 p.hardness_strength, ENTITY=entity, HAS_BUF=kind in bufs, **flags,
-                **kernel_args)
+                **kernel_args, **common.LAUNCH)
         grads.append(out)
     grad_d, grad_q = grads
     if want_scale:

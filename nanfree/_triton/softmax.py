@@ -578,14 +578,14 @@ def _forward(op, mode, input, dim, mask):
             block, single, num_warps = _block_config(n_cols)
             _forward_kernel[(outer,)](
                 x, out, stats, m, n_cols, *mask_args, MODE=mode, HAS_MASK=has_mask,
-                BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps)
+                BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps, **common.LAUNCH)
         else:
             block_j, block_i, single, num_warps = _strided_config(n_cols, inner)
             n_iblocks = triton.cdiv(inner, block_i)
             _strided_forward_kernel[(outer * n_iblocks,)](
                 x, out, stats, m, n_cols, inner, n_iblocks, *mask_args, MODE=mode,
                 HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, SINGLE_TILE=single,
-                num_warps=num_warps)
+                num_warps=num_warps, **common.LAUNCH)
     return out, stats
 
 
@@ -624,23 +624,23 @@ def _backward(op, grad_output, saved, stats, dim, mask, per_row_grad, mode):
             if mode == LOGSUMEXP:
                 _logsumexp_backward_kernel[(outer,)](
                     g, saved, stats, grad_input, m, n_cols, *mask_args, HAS_MASK=has_mask,
-                    BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps)
+                    BLOCK=block, SINGLE_BLOCK=single, num_warps=num_warps, **common.LAUNCH)
             else:
                 _softmax_backward_kernel[(outer,)](
                     g, saved, stats, grad_input, m, n_cols, *mask_args, HAS_MASK=has_mask,
-                    BLOCK=block, SINGLE_BLOCK=single, MODE=mode, num_warps=num_warps)
+                    BLOCK=block, SINGLE_BLOCK=single, MODE=mode, num_warps=num_warps, **common.LAUNCH)
         else:
             block_j, block_i, single, num_warps = _strided_config(n_cols, inner)
             n_iblocks = triton.cdiv(inner, block_i)
             if mode == LOGSUMEXP:
                 _strided_logsumexp_backward_kernel[(outer * n_iblocks,)](
                     g, saved, stats, grad_input, m, n_cols, inner, n_iblocks, *mask_args,
-                    HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, num_warps=num_warps)
+                    HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, num_warps=num_warps, **common.LAUNCH)
             else:
                 _strided_softmax_backward_kernel[(outer * n_iblocks,)](
                     g, saved, stats, grad_input, m, n_cols, inner, n_iblocks, *mask_args,
                     HAS_MASK=has_mask, BLOCK_J=block_j, BLOCK_I=block_i, SINGLE_TILE=single,
-                    MODE=mode, num_warps=num_warps)
+                    MODE=mode, num_warps=num_warps, **common.LAUNCH)
     return grad_input
 
 
