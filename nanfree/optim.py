@@ -122,6 +122,7 @@ class FiniteGuard:
         self._skipped_before = 0  # skips counted before a load_state_dict
         self._logged = 0
         self.last_report = None  # the first skipped step's report (False: not reproducible)
+        self._ones = {}  # device -> the scale 1 of GradScaler's kernel (_one)
         # Where the flag and every parameter are CPU tensors, the flag's value is on the
         # host when it is computed (no device to wait for): the step runs or not by it.
         # False: the device path (restore) there too; the tests use it to check that
@@ -184,30 +185,44 @@ class FiniteGuard:
     def _found(self, params, loss):
         """A float32 flag [1]: 1 when the loss or a gradient is non-finite. On an
         accelerator when any gradient is on one (a flag copied from the host to it
-        does not wait); one fused check per device and dtype, no sync."""
+        does not wait); one fused check per device and dtype, no sync. The loss
+        joins the gradients of its device and dtype: on one device and dtype the
+        whole check is three launches (a flag, a copy of the loss, the check)."""
         devices = [p.grad.device for p in params]
         if isinstance(loss, torch.Tensor):
             devices.append(loss.device)
         device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-        found = torch.zeros(1, dtype=torch.float32, device=device)
         groups = {}
         for p in params:
             grad = self._values(p.grad)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        one = {}
-        for (dev, _), grads in groups.items():
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+            if value.is_complex():
+                value = torch.view_as_real(value)
+            if value.is_floating_point():  # an integer loss is finite
+                # A copy: GradScaler's kernel multiplies what it checks by the scale in place.
+                groups.setdefault((value.device, value.dtype), []).append(value.reshape(-1).clone())
+        found = None
+        for (dev, _), tensors in groups.items():
             flag = torch.zeros(1, dtype=torch.float32, device=dev)
-            scale = one.setdefault(dev, torch.ones(1, dtype=torch.float32, device=dev))
             # GradScaler's kernel with scale 1: sets flag where a value is NaN or inf,
             # leaves the gradients as they are.
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
-            found = torch.maximum(found, flag.to(device, non_blocking=dev.type == "cpu"))
-        if isinstance(loss, torch.Tensor):
-            bad = (~torch.isfinite(loss.detach())).any().to(device=device, dtype=torch.float32)
-            found = torch.maximum(found, bad.reshape(1))
-        elif loss is not None and not math.isfinite(float(loss)):  # a Python number: no sync
-            found.fill_(1.0)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self._one(dev))
+            flag = flag.to(device, non_blocking=dev.type == "cpu")
+            found = flag if found is None else torch.maximum(found, flag)
+        if found is None:
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+        if loss is not None and not isinstance(loss, torch.Tensor) and not math.isfinite(float(loss)):
+            found.fill_(1.0)  # a Python number: known on the host, no sync
         return found
+
+    def _one(self, device):
+        """The scale 1 of GradScaler's kernel on `device`, made once."""
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return one
 
     def _host_check(self, params, loss):
         """The CPU's path: (bad, norm). bad: whether the loss or a gradient is

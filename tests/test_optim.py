@@ -81,16 +81,24 @@ def test_skips_exactly_the_non_finite_steps(name, path):
     assert guard.skipped_steps == 2 and guard.steps == 4
 
 
-@pytest.mark.parametrize("nan", [torch.tensor(float("nan")), float("nan")],
-                         ids=["tensor", "python-number"])
-def test_nan_loss_skips_with_finite_gradients(nan):
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("nan", [torch.tensor(float("nan")), float("nan"),
+                                 torch.tensor([1.0, float("inf")], dtype=torch.float64),
+                                 torch.tensor(complex(1.0, float("nan")))],
+                         ids=["tensor", "python-number", "float64-vector", "complex"])
+def test_nan_loss_skips_with_finite_gradients(nan, path):
     model = _model()
-    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1), log_every=0)
+    guard = FiniteGuard(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), log_every=0)
+    guard._read_host_flag = path == "host"
     _grads(model, torch.randn(5, 4))
+    guard.step(loss=torch.tensor(1.0))  # state made: the device path's steady step below
     before = _snapshot(model)
-    guard.step(loss=nan)
+    loss = nan.clone() if isinstance(nan, torch.Tensor) else nan
+    guard.step(loss=loss)
     assert _unchanged(before, model)
     assert guard.skipped_steps == 1
+    if isinstance(nan, torch.Tensor):  # the check reads the loss, never writes it
+        torch.testing.assert_close(loss, nan, rtol=0, atol=0, equal_nan=True)
     guard.step(loss=torch.tensor(1.0))
     assert not _unchanged(before, model)
 
