@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: builds the extension for the card, then runs side by
 # side, each under a time limit, the checks of docs/gpu.md:
-#   cuda.log       the whole suite, default backends (CUDA kernels on CUDA tensors)
+#   cuda.log       the suite's tests on CUDA tensors and those on no device, default
+#                  backends (CUDA kernels on CUDA tensors)
 #   triton.log     the whole suite with NANFREE_BACKEND=triton (compiled Triton)
 #   memcheck.log   compute-sanitizer memcheck over every family's special-value table on CUDA
 #   racecheck.log  compute-sanitizer racecheck over every family's kernels once (scripts/gpu_checks.py --smoke)
@@ -11,6 +12,9 @@
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
 # (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build,
 # CHECKS (the logs to make, default "cuda triton memcheck racecheck extra"),
+# "bench" among CHECKS runs benchmarks/bench_<family>.py for each of BENCH_FAMILIES
+# (default "elementwise losses debug") after the checks, alone, BENCH_SECONDS (90) each,
+# into bench-<family>/ and bench-<family>.log;
 # CUDA_WORKERS and TRITON_WORKERS (pytest-xdist workers of the two passes, 4 and 9),
 # CUDA_SELECT (the CUDA pass's -k expression, default "cuda or not cpu": the tests
 # on CPU tensors are the CPU passes' and are left out), MEMCHECK_TESTS (the test
@@ -51,6 +55,16 @@ selected racecheck && timeout "$limit" compute-sanitizer --tool racecheck --erro
 selected extra && timeout "$limit" python3 scripts/gpu_checks.py >"$logs/extra.log" 2>&1 &
 wait
 echo "checks done at $((SECONDS - start)) s"
+# Benchmarks after the checks, alone on the machine: each family's default run without
+# the torch.compile baseline (its compilations take minutes), under BENCH_SECONDS each.
+if selected bench; then
+  for family in ${BENCH_FAMILIES:-elementwise losses debug}; do
+    timeout "${BENCH_SECONDS:-90}" python3 "benchmarks/bench_$family.py" --no-compile --rounds 2 \
+      --out-dir "$logs/bench-$family" >"$logs/bench-$family.log" 2>&1
+    grep -E "\[(met|MISSED)\]" "$logs/bench-$family.log"
+  done
+  echo "benchmarks done at $((SECONDS - start)) s"
+fi
 for log in cuda triton memcheck racecheck extra; do
   selected "$log" || continue
   echo "=== $log"

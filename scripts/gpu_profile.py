@@ -4,7 +4,7 @@ profiler to watch (scripts/gpu_profile.sh runs it under Nsight Compute).
     python3 scripts/gpu_profile.py CASE       # e.g. cosine_similarity-fwd
     python3 scripts/gpu_profile.py --list     # the cases
 
-Each case is a row the first H200 measurements left below its target
+Each case is a row the H200 measurements left below its target
 (docs/gpu.md): the warm-up calls run before ``torch.cuda.profiler.start()``,
 the measured ones after it, so ``ncu --profile-from-start off`` sees only those.
 """
@@ -52,6 +52,15 @@ def cases():
                                          (_rows(4096, 16384, bf16),)),
         "softmax-fwd-128-fp32": lambda: (lambda x: nf.softmax(x, -1),
                                          (_rows(262144, 128, fp32),)),
+        "log-fwd-64m-bf16": lambda: (nf.log, (torch.rand(1 << 26, device="cuda", dtype=bf16) + 0.5,)),
+        "sqrt-fwdbwd-64m-bf16": lambda: (
+            lambda x: _forward_backward(nf.sqrt, x),
+            ((torch.rand(1 << 26, device="cuda", dtype=bf16) + 0.5).requires_grad_(),)),
+        "cross_entropy-fwd-1000": lambda: (
+            nf.cross_entropy, (_rows(32768, 1000, fp32), torch.randint(0, 1000, (32768,), device="cuda"))),
+        "cross_entropy-fwdbwd-32k-bf16": lambda: (
+            lambda x, y: _forward_backward(nf.cross_entropy, x, y),
+            (_rows(8192, 32000, bf16, True), torch.randint(0, 32000, (8192,), device="cuda"))),
         "mnr_loss-fwdbwd-16k": lambda: (
             lambda q, p: _forward_backward(nf.mnr_loss, q, p),
             (_rows(16384, 768, bf16, True), _rows(16384, 768, bf16, True))),
