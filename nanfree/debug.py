@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import sysconfig
+import threading
 import warnings
 import weakref
 
@@ -407,7 +408,9 @@ class _Checker(TorchDispatchMode):
         self.allow = tuple(allow)
         self.fresh = weakref.WeakValueDictionary()  # id -> tensor just allocated, unwritten
         self.pending = {}  # id(node) -> the first error of a backward node still running
-        self.own_ops = False  # the checks' own ops (run outside __torch_dispatch__) pass
+        # Set, per thread, while the checks run their own ops outside __torch_dispatch__
+        # (backward runs on per-device threads, which share the mode).
+        self.own = threading.local()
 
     def _nonfinite(self, tensors):
         """Whether any of the tensors may hold NaN or +-inf. Contiguous CPU
@@ -461,7 +464,8 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.own_ops or _schema_facts(func)[1]:  # the checks' own ops; views: nothing new
+        # The checks' own ops pass; views: nothing new to check.
+        if getattr(self.own, "ops", False) or _schema_facts(func)[1]:
             return func(*args, **kwargs)
         if func.overloadpacket in _UNINITIALIZED:
             # Memory not yet written (whatever bits it holds are not a result):
@@ -525,11 +529,12 @@ class _Checker(TorchDispatchMode):
             outputs = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             # The hook runs with the region's mode active: the check's own ops (a
             # sum of each CUDA gradient) must not be checked as the region's.
-            self.own_ops = True
+            before = getattr(self.own, "ops", False)
+            self.own.ops = True
             try:
                 bad = any(self._bad(g) for g in outputs)
             finally:
-                self.own_ops = False
+                self.own.ops = before
             if bad:
                 raise kept
 

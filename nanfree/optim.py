@@ -38,9 +38,9 @@ are clipped, not zeroed (``_norms``, ``_clip``).
 Skips are counted on the device (``skipped``); every ``log_every`` steps the
 count is read (one sync) and a new skip is logged as a warning, and reading
 ``skipped_steps`` syncs too: never silent. On an accelerator the optimizer's
-``step`` is called on every step but a skipped first one (on the CPU, on every
-step that is not skipped); an LR scheduler stepped by the loop stays in step
-either way.
+``step`` is called on every step but a skipped first one, except for an optimizer
+with state on the CPU (called only on the steps not skipped, as on the CPU's
+path); an LR scheduler stepped by the loop stays in step either way.
 
 ``guard.step(closure)`` runs the closure (forward and backward, returning the
 loss) itself; with ``locate=True`` a skipped step is run again under

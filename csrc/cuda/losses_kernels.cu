@@ -15,8 +15,9 @@
 // by a group of G threads (G a power of two, 1 .. 512; a block of max(G, 128)
 // threads holds 128 / G positions when G < 128) that walks over the positions
 // with a grid stride. Positions whose classes are contiguous or a few
-// elements apart (inner < 32) take G = next_pow2(C) up to 512, the threads
-// striding over the classes; positions of inner >= 32 take G = 1, so that the
+// elements apart (inner < 32) take about C / 32 threads (forward_group: a
+// power of two, at least a warp, next_pow2(C) below 32 classes, at most 512),
+// the threads striding over the classes; positions of inner >= 32 take G = 1, so that the
 // lanes of a warp read 32 consecutive positions of one class. Pass 1 finds
 // the largest kept logit and the count of the kept classes, pass 2 the sum of
 // exp(x - max) (the state lse_update gives, each exp rounded once as in the
@@ -426,15 +427,15 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-// Threads per position of the forward (the file's header comment).
 // Threads per position of the forward: about kWarp classes per thread and
 // pass, so rows up to 1024 classes get a warp (reductions by shuffles alone,
 // several rows per block) and longer rows more threads, up to kMaxThreads. A
-// block per row of 1000 classes (two classes per thread, four block-wide
-// reductions per row) ran at 6% of copy bandwidth on an H200.
+// block of 512 threads per row of 1000 classes (two classes per thread, four
+// block-wide reductions per row) ran its forward at 3-6% of copy bandwidth on an H200.
 int forward_group(ReductionLayout layout) {
   if (layout.inner >= kWarp) return 1;
-  const int by_work = next_pow2(ceil_div(layout.n, int64_t{kWarp}));
+  const int64_t threads = ceil_div(layout.n, int64_t{kWarp});  // kWarp classes each
+  const int by_work = next_pow2(threads < kMaxThreads ? threads : kMaxThreads);
   const int least = layout.n < kWarp ? next_pow2(layout.n) : kWarp;
   const int group = by_work > least ? by_work : least;
   return group < kMaxThreads ? group : kMaxThreads;

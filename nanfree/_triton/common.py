@@ -25,8 +25,9 @@ except ImportError:  # a Triton without an interpreter
 # nvvm-reflect-ftz set unless told otherwise, so its float32 functions (log1p,
 # asin, pow, atan2, exp, ...) flush subnormal inputs and results to zero, which
 # the rules forbid (log1p(x) = x for a subnormal x, as the C++ kernels and torch
-# give; bfloat16's subnormals are float32's): off. The interpreter ignores it.
-LAUNCH = {"enable_reflect_ftz": False}
+# give; bfloat16's subnormals are float32's): off. The interpreter ignores it;
+# Triton's AMD backend has no such option (and no libdevice).
+LAUNCH = {"enable_reflect_ftz": False} if torch.version.hip is None else {}
 
 
 def kernels_interpreted(kernels):
