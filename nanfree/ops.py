@@ -442,6 +442,16 @@ def _binary_operand(op, name, value, like):
         # scalar_tensor rounds as the cast does, but refuses a finite number beyond
         # the dtype's largest (on CUDA for every dtype, on the CPU for float32).
         return torch.scalar_tensor(value, dtype=dtype, device=like.device)
+    if type(value) is int:
+        if -2**63 <= value < 2**63:
+            # An int past 2^53 or the dtype's range: made in int64 and cast, one rounding
+            # as torch's own ops give it (through float64 it would be rounded twice).
+            return torch.full((), value, dtype=torch.int64, device=like.device).to(dtype)
+        # Past int64 (torch refuses it): the nearest float64, or its infinity.
+        try:
+            value = float(value)
+        except OverflowError:  # past float64's range too
+            value = math.inf if value > 0 else -math.inf
     # Made in float64 and cast: a number beyond the dtype's range is its infinity
     # (torch.full would refuse it), as in torch's own ops.
     return torch.full((), value, dtype=torch.float64, device=like.device).to(dtype)

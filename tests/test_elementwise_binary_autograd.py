@@ -7,6 +7,8 @@ numbers either side), the third derivative refused, and torch's behaviour in
 values, gradients and second derivatives inside the domains, layouts, out=
 and autocast."""
 
+import math
+
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
@@ -285,6 +287,20 @@ def test_python_numbers_as_torch_takes_them(device, op):
                 assert "without overflow" in str(error)
                 continue
             torch.testing.assert_close(ours, expected, equal_nan=True, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_large_python_ints_rounded_once_as_torch(device, dtype):
+    """An int past 2^53 becomes the dtype's value with one rounding, as torch's ops
+    make it (2^60 + 2^36 + 1 is 2^60 + 2^37 in float32, not 2^60 through float64);
+    past int64, which torch refuses, the nearest float or its infinity."""
+    x = torch.tensor([1.0, 2.0], dtype=dtype, device=device)
+    for number in (2**60 + 2**36 + 1, -(2**62) - 2**38 - 1, 2**63 - 1):
+        torch.testing.assert_close(nf.div_no_nan(x, number), x / number, rtol=0, atol=0)
+        torch.testing.assert_close(nf.xlogy(x, abs(number)), torch.xlogy(x, abs(number)),
+                                   rtol=0, atol=0)
+    assert torch.isfinite(nf.div_no_nan(x, 2**70)).all()
+    assert torch.equal(nf.xlogy(x, 2**2000), torch.full_like(x, math.inf))
 
 
 @pytest.mark.parametrize("op", OPS)
