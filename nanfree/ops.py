@@ -461,10 +461,10 @@ def _within_range(value, dtype):
     """Whether torch.scalar_tensor takes the number in the dtype: NaN, an
     infinity, or a finite number up to the dtype's largest (an int also exact in
     float64)."""
+    limit = _FINITE_MAX.get(dtype, math.inf)
     if type(value) is int:
-        return abs(value) < 2**53 and abs(value) <= _FINITE_MAX.get(dtype, math.inf)
-    return type(value) is float and (dtype == torch.float64 or not math.isfinite(value)
-                                     or abs(value) <= _FINITE_MAX.get(dtype, math.inf))
+        return abs(value) < 2**53 and abs(value) <= limit
+    return type(value) is float and (not math.isfinite(value) or abs(value) <= limit)
 
 
 def _exact_in(dtype, value):

@@ -437,8 +437,7 @@ int forward_group(ReductionLayout layout) {
   const int64_t threads = ceil_div(layout.n, int64_t{kWarp});  // kWarp classes each
   const int by_work = next_pow2(threads < kMaxThreads ? threads : kMaxThreads);
   const int least = layout.n < kWarp ? next_pow2(layout.n) : kWarp;
-  const int group = by_work > least ? by_work : least;
-  return group < kMaxThreads ? group : kMaxThreads;
+  return by_work > least ? by_work : least;  // both at most kMaxThreads
 }
 
 }  // namespace
