@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from conftest import (DTYPES, INF, NAN, TRITON_KERNEL_TOL, triton_kernel_device,  # noqa: E402
                       triton_kernel_mode_matches, triton_refusal_words, triton_refused_devices)
 from nanfree._backends import BackendUnavailableError  # noqa: E402
+from nanfree._ops.cosine import COSINE_STATS, NORMALIZE_STATS  # noqa: E402
 from nanfree._torch_backend import cosine as R  # noqa: E402
 from nanfree._triton import cosine as K  # noqa: E402
 
@@ -131,7 +132,7 @@ def assert_stats(got, want, what):
     up to the rounding of a sum of squares; NaN in the same places."""
     acc = got.dtype
     assert want.dtype == acc and got.shape == want.shape, what
-    p_cols = [0] if got.shape[-1] == 2 else [0, 3]
+    p_cols = [0] if got.shape[-1] == NORMALIZE_STATS else [0, COSINE_STATS // 2]  # each p
     for k in range(got.shape[-1]):
         exact = k in p_cols
         rtol = 0.0 if exact else (1e-12 if acc == torch.float64 else 1e-5)
@@ -172,7 +173,7 @@ def run_cosine(x1, x2, eps, g):
     d1, d2 = K.cosine_similarity_backward(gd, a, b, c, stats)
     acc = acc_dtype(x1.dtype)
     assert c.shape == x1.shape[:-1] and c.dtype == x1.dtype and c.device == a.device
-    assert stats.shape == (*x1.shape[:-1], 6) and stats.dtype == acc
+    assert stats.shape == (*x1.shape[:-1], COSINE_STATS) and stats.dtype == acc
     for d in (d1, d2):
         assert d.shape == x1.shape and d.dtype == x1.dtype and d.is_contiguous()
         assert d.device == a.device
@@ -231,14 +232,14 @@ def test_refuses_tensors_the_kernels_cannot_run_on(device):
     words = triton_refusal_words(DEVICE)
     x = torch.zeros(3, 4, device=device)
     stats2 = torch.zeros(3, 2, device=device)
-    stats6 = torch.zeros(3, 6, device=device)
+    cosine_stats = torch.zeros(3, COSINE_STATS, device=device)
     c = torch.zeros(3, device=device)
     calls = [
         lambda: K.normalize(x, 1e-12),
         lambda: K.normalize(x[:0], 1e-12),
         lambda: K.normalize_backward(x, x, stats2),
         lambda: K.cosine_similarity(x, x, 1e-8),
-        lambda: K.cosine_similarity_backward(c, x, x, c, stats6),
+        lambda: K.cosine_similarity_backward(c, x, x, c, cosine_stats),
         lambda: K.cos_sim_matrix(x, x),
         lambda: K.cos_sim_matrix(x[:0], x),
     ]
@@ -493,7 +494,7 @@ def test_empty_shapes():
     assert y.shape == (0, 5) and stats.shape == (0, 2)
     assert K.normalize_backward(e(0, 5), y, stats).shape == (0, 5)
     c, stats = K.cosine_similarity(e(2, 0, 3), e(2, 0, 3), 1e-8)
-    assert c.shape == (2, 0) and stats.shape == (2, 0, 6)
+    assert c.shape == (2, 0) and stats.shape == (2, 0, COSINE_STATS)
     d1, d2 = K.cosine_similarity_backward(e(2, 0), e(2, 0, 3), e(2, 0, 3), c, stats)
     assert d1.shape == d2.shape == (2, 0, 3)
     # Empty vectors (d == 0) are zero vectors: normalize to nothing with stats
@@ -525,7 +526,7 @@ def test_vector_and_batched_shapes():
     y, stats = K.normalize(x.to(DEVICE), 1e-12)
     assert y.shape == (7,) and stats.shape == (2,)
     c, stats = K.cosine_similarity(x.to(DEVICE), x.to(DEVICE), 1e-8)
-    assert c.shape == () and stats.shape == (6,) and c.item() == pytest.approx(1.0)
+    assert c.shape == () and stats.shape == (COSINE_STATS,) and c.item() == pytest.approx(1.0)
     check_normalize(randn(2, 3, 9, seed=15))
     check_cosine(randn(2, 3, 9, seed=16), randn(2, 3, 9, seed=17))
 

@@ -11,16 +11,13 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "nanfree/cosine_math.h"
 
 namespace nanfree {
 
 // The eps of cos_sim's normalization: F.normalize's default, which
 // sentence-transformers' cos_sim uses.
 constexpr double kCosSimEps = 1e-12;
-
-// Per-vector statistics saved for the backward (cosine_math.h).
-constexpr int64_t kNormalizeStats = 2;  // p, grad_factor
-constexpr int64_t kCosineStats = 6;     // p1, q1, grad_factor1, p2, q2, grad_factor2
 
 // The last dimension holds the vectors: d entries each, rows = the product of the others.
 struct VectorRows {

@@ -43,6 +43,15 @@ bool plain_scale(acc_t p) {
   return p > acc_t(0);  // false for NaN and 0
 }
 
+// normalized_entry of cosine_math.h over a vector of scaled entries s of a row
+// with a plain scale and a positive unit_divisor: s * q, and exactly +-1 where
+// |s| equals the divisor.
+template <typename acc_t>
+Vec<acc_t> normalized_entries(const Vec<acc_t>& s, const Vec<acc_t>& divisor, const Vec<acc_t>& q) {
+  const Vec<acc_t> unit = Vec<acc_t>::blendv(Vec<acc_t>(-1), Vec<acc_t>(1), s > Vec<acc_t>(0));
+  return Vec<acc_t>::blendv(s * q, unit, s.abs() == divisor);
+}
+
 // The sum of squares of a row's scaled entries.
 template <typename scalar_t>
 at::opmath_type<scalar_t> scaled_sum_of_squares(const scalar_t* x, int64_t n,
@@ -140,20 +149,26 @@ std::pair<at::opmath_type<scalar_t>, at::opmath_type<scalar_t>> abs_max_and_scal
   return {largest_magnitude(m, ssq), ssq};
 }
 
-// A row's scale p (norm_scale) and the sum of squares of its scaled entries,
-// reading the row once when the guess (updated here) is right.
+// A row's largest magnitude, its scale p (norm_scale) and the sum of squares
+// of its scaled entries.
+template <typename acc_t>
+struct RowScale {
+  acc_t amax, p, ssq;
+};
+
+// RowScale of a row, reading it once when the guess (updated here) is right.
 template <typename scalar_t>
-std::pair<at::opmath_type<scalar_t>, at::opmath_type<scalar_t>> scale_and_ssq(
-    const scalar_t* x, int64_t n, ScaleGuess<at::opmath_type<scalar_t>>& guess) {
+RowScale<at::opmath_type<scalar_t>> scale_and_ssq(const scalar_t* x, int64_t n,
+                                                   ScaleGuess<at::opmath_type<scalar_t>>& guess) {
   using acc_t = at::opmath_type<scalar_t>;
-  if (n == 0) return {acc_t(1), acc_t(0)};
+  if (n == 0) return {acc_t(0), acc_t(1), acc_t(0)};
   auto [amax, ssq] = abs_max_and_scaled_ssq(x, n, guess.p);
   const acc_t p = guess.scale_of(amax);
   if (p != guess.p) {
     ssq = scaled_sum_of_squares(x, n, p);
     guess.update(p);
   }
-  return {p, ssq};
+  return {amax, p, ssq};
 }
 
 template <typename scalar_t>
@@ -173,18 +188,25 @@ void normalize_kernel(const NormalizeArgs& args, double eps_arg) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* x = in + r * d;
       scalar_t* y = out + r * d;
-      const auto [p, ssq] = scale_and_ssq(x, d, guess);
+      const auto [amax, p, ssq] = scale_and_ssq(x, d, guess);
       const acc_t q = clamped_norm_factor(p, ssq, eps);
+      const acc_t divisor = unit_divisor(norm_divisor(p, ssq, eps), p, amax);
       stats[2 * r] = p;
       stats[2 * r + 1] = norm_grad_factor(p, ssq, eps);
-      if (plain_scale(p)) {
+      if (plain_scale(p) && divisor == acc_t(0)) {  // normalized_entry is s * q throughout
         const V pv(p), qv(q);
         write_row(y, d, stream, [&](int64_t j, int64_t count) {
           return (load_vec(x + j, count) * pv) * qv;
         });
+      } else if (plain_scale(p)) {
+        const V pv(p), qv(q), divisor_v(divisor);
+        write_row(y, d, stream, [&](int64_t j, int64_t count) {
+          return normalized_entries(load_vec(x + j, count) * pv, divisor_v, qv);
+        });
       } else {
         for (int64_t j = 0; j < d; ++j)
-          y[j] = static_cast<scalar_t>(scaled_entry(static_cast<acc_t>(x[j]), p) * q);
+          y[j] = static_cast<scalar_t>(
+              normalized_entry(scaled_entry(static_cast<acc_t>(x[j]), p), divisor, q));
       }
     }
     end_streaming(stream);
@@ -341,13 +363,15 @@ void cosine_kernel(const CosineArgs& args, double eps_arg) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* a = a_all + r * d;
       const scalar_t* b = b_all + r * d;
-      acc_t pa = 1, pb = 1;
+      acc_t pa = 1, pb = 1, amax_a = 0, amax_b = 0;
       CosineSums<acc_t> sums;
       if (d > 0) {
         sums = cosine_sums<true>(a, b, d, guess_a.p, guess_b.p);
-        pa = guess_a.scale_of(sums.amax_a);
-        pb = guess_b.scale_of(sums.amax_b);
-        if (pa != guess_a.p || pb != guess_b.p) {
+        amax_a = sums.amax_a;
+        amax_b = sums.amax_b;
+        pa = guess_a.scale_of(amax_a);
+        pb = guess_b.scale_of(amax_b);
+        if (pa != guess_a.p || pb != guess_b.p) {  // the rescan leaves its amax fields 0
           sums = plain_scale(pa) && plain_scale(pb) ? cosine_sums<false>(a, b, d, pa, pb)
                                                     : cosine_sums_per_entry(a, b, d, pa, pb);
           guess_a.update(pa);
@@ -357,14 +381,18 @@ void cosine_kernel(const CosineArgs& args, double eps_arg) {
       const acc_t ssq_a = sums.ssq_a, ssq_b = sums.ssq_b, dot = sums.dot;
       const acc_t qa = clamped_norm_factor(pa, ssq_a, eps);
       const acc_t qb = clamped_norm_factor(pb, ssq_b, eps);
-      out[r] = static_cast<scalar_t>(cosine_value(dot, qa, qb));
+      const acc_t divisor_a = norm_divisor(pa, ssq_a, eps);
+      const acc_t divisor_b = norm_divisor(pb, ssq_b, eps);
+      out[r] = static_cast<scalar_t>(cosine_value(dot, divisor_a, divisor_b, qa, qb));
       acc_t* st = stats + kCosineStats * r;
       st[0] = pa;
       st[1] = qa;
-      st[2] = norm_grad_factor(pa, ssq_a, eps);
-      st[3] = pb;
-      st[4] = qb;
-      st[5] = norm_grad_factor(pb, ssq_b, eps);
+      st[2] = unit_divisor(divisor_a, pa, amax_a);
+      st[3] = norm_grad_factor(pa, ssq_a, eps);
+      st[4] = pb;
+      st[5] = qb;
+      st[6] = unit_divisor(divisor_b, pb, amax_b);
+      st[7] = norm_grad_factor(pb, ssq_b, eps);
     }
   });
 }
@@ -392,9 +420,11 @@ void cosine_backward_kernel(const CosineBackwardArgs& args) {
       scalar_t* da = da_all + r * d;
       scalar_t* db = db_all + r * d;
       const acc_t* st = stats + kCosineStats * r;
-      const acc_t pa = st[0], qa = st[1], gfa = st[2], pb = st[3], qb = st[4], gfb = st[5];
+      const acc_t pa = st[0], qa = st[1], divisor_a = st[2], gfa = st[3];
+      const acc_t pb = st[4], qb = st[5], divisor_b = st[6], gfb = st[7];
       const acc_t g = static_cast<acc_t>(g_all[r]), c = static_cast<acc_t>(c_all[r]);
-      if (plain_scale(pa) && plain_scale(pb)) {
+      // Rows without a unit entry (unit_divisor 0), the usual case: normalized_entry is s * q.
+      if (plain_scale(pa) && plain_scale(pb) && divisor_a == acc_t(0) && divisor_b == acc_t(0)) {
         const V pav(pa), qav(qa), pbv(pb), qbv(qb), gv(g), cv(c);
         // saturate(cosine_grad_value):
         // g * (((v_other - c * v_self) * grad_factor_self) * p_self), saturated.
@@ -408,8 +438,8 @@ void cosine_backward_kernel(const CosineBackwardArgs& args) {
         });
       } else {
         for (int64_t j = 0; j < d; ++j) {
-          const acc_t va = scaled_entry(static_cast<acc_t>(a[j]), pa) * qa;
-          const acc_t vb = scaled_entry(static_cast<acc_t>(b[j]), pb) * qb;
+          const acc_t va = normalized_entry(scaled_entry(static_cast<acc_t>(a[j]), pa), divisor_a, qa);
+          const acc_t vb = normalized_entry(scaled_entry(static_cast<acc_t>(b[j]), pb), divisor_b, qb);
           da[j] = static_cast<scalar_t>(saturate(cosine_grad_value(g, va, vb, c, pa, gfa), largest));
           db[j] = static_cast<scalar_t>(saturate(cosine_grad_value(g, vb, va, c, pb, gfb), largest));
         }

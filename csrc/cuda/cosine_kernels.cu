@@ -35,9 +35,10 @@
 // magnitude amax of each vector (NaN when an entry is NaN: MaxKeepNanOp),
 // reduced over the group; p = norm_scale(amax); then the sum of squares of
 // the scaled entries ssq (and for cosine_similarity their dot product),
-// reduced over the group; then q = clamped_norm_factor and grad_factor =
-// norm_grad_factor. normalize writes scaled_entry(x, p) * q;
-// cosine_similarity writes cosine_value(dot, q1, q2). normalize's backward
+// reduced over the group; then q = clamped_norm_factor, the divisor =
+// unit_divisor and grad_factor = norm_grad_factor. normalize writes
+// normalized_entry(scaled_entry(x, p), divisor, q); cosine_similarity writes
+// cosine_value(dot, norm_divisor1, norm_divisor2, q1, q2). normalize's backward
 // reduces dot = sum(g * y) and writes normalize_grad_value per entry;
 // cosine_similarity's backward is elementwise given the row's statistics,
 // its incoming gradient and its similarity (cosine_grad_value of the
@@ -141,10 +142,10 @@ __device__ __forceinline__ void pair_sums(acc_t (&sums)[3], const acc_t (&a)[kVe
 
 template <int kVec, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void store_normalized(scalar_t* y_row, int64_t vi, const acc_t (&x)[kVec],
-                                                 acc_t p, acc_t q) {
+                                                 acc_t p, acc_t divisor, acc_t q) {
   acc_t y[kVec];
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) y[i] = scaled_entry(x[i], p) * q;
+  for (int i = 0; i < kVec; ++i) y[i] = normalized_entry(scaled_entry(x[i], p), divisor, q);
   store_acc<kVec>(y_row + vi * kVec, y);
 }
 
@@ -202,6 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (!active) continue;  // after the block-wide reductions
 
     const acc_t q = clamped_norm_factor(p, ssq[0], eps);
+    const acc_t divisor = unit_divisor(norm_divisor(p, ssq[0], eps), p, amax[0]);
     if (t == 0) {
       stats[2 * row] = p;
       stats[2 * row + 1] = norm_grad_factor(p, ssq[0], eps);
@@ -211,12 +213,12 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int64_t vi = static_cast<int64_t>(it) * G + t;
-        if (vi < nvec) store_normalized(y_row, vi, x[it], p, q);
+        if (vi < nvec) store_normalized(y_row, vi, x[it], p, divisor, q);
       }
     } else {
       for (int64_t vi = t; vi < nvec; vi += G) {
         load_acc<kVec>(x_row + vi * kVec, x[0]);
-        store_normalized(y_row, vi, x[0], p, q);
+        store_normalized(y_row, vi, x[0], p, divisor, q);
       }
     }
   }
@@ -315,22 +317,27 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ---------------------------------------------------------------------------
 // cosine_similarity forward.
 
-// A row's similarity and its statistics (p1, q1, grad_factor1, p2, q2,
-// grad_factor2) from its scales and scaled sums (ssq1, ssq2, dot).
+// A row's similarity and its kCosineStats statistics (p, q, unit_divisor,
+// grad_factor of each vector) from its largest magnitudes, scales and scaled
+// sums (ssq1, ssq2, dot).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void write_similarity(scalar_t* output, acc_t* stats, int64_t row,
-                                                 acc_t p1, acc_t p2, const acc_t (&sums)[3],
-                                                 acc_t eps) {
+                                                 acc_t amax1, acc_t amax2, acc_t p1, acc_t p2,
+                                                 const acc_t (&sums)[3], acc_t eps) {
   const acc_t q1 = clamped_norm_factor(p1, sums[0], eps);
   const acc_t q2 = clamped_norm_factor(p2, sums[1], eps);
-  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], q1, q2));
-  acc_t* st = stats + 6 * row;
+  const acc_t divisor1 = norm_divisor(p1, sums[0], eps);
+  const acc_t divisor2 = norm_divisor(p2, sums[1], eps);
+  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], divisor1, divisor2, q1, q2));
+  acc_t* st = stats + kCosineStats * row;
   st[0] = p1;
   st[1] = q1;
-  st[2] = norm_grad_factor(p1, sums[0], eps);
-  st[3] = p2;
-  st[4] = q2;
-  st[5] = norm_grad_factor(p2, sums[1], eps);
+  st[2] = unit_divisor(divisor1, p1, amax1);
+  st[3] = norm_grad_factor(p1, sums[0], eps);
+  st[4] = p2;
+  st[5] = q2;
+  st[6] = unit_divisor(divisor2, p2, amax2);
+  st[7] = norm_grad_factor(p2, sums[1], eps);
 }
 
 template <typename scalar_t, int kVec, int kIters>
@@ -393,7 +400,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     group_reduce(sums, G, partial, SumOp{});
 
-    if (active && t == 0) write_similarity(output, stats, row, p1, p2, sums, eps);
+    if (active && t == 0) write_similarity(output, stats, row, amax[0], amax[1], p1, p2, sums, eps);
   }
 }
 
@@ -416,9 +423,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + group; row < rows;
        row += static_cast<int64_t>(gridDim.x) * groups) {
-    const acc_t* st = stats + 6 * row;
-    const acc_t p1 = st[0], q1 = st[1], gf1 = st[2];
-    const acc_t p2 = st[3], q2 = st[4], gf2 = st[5];
+    const acc_t* st = stats + kCosineStats * row;
+    const acc_t p1 = st[0], q1 = st[1], divisor1 = st[2], gf1 = st[3];
+    const acc_t p2 = st[4], q2 = st[5], divisor2 = st[6], gf2 = st[7];
     const acc_t g = to_acc(grad[row]);
     const acc_t c = to_acc(output[row]);
     const int64_t offset = row * d;
@@ -428,8 +435,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       load_acc<kVec>(x2 + offset + vi * kVec, b);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
-        const acc_t v1 = scaled_entry(a[i], p1) * q1;
-        const acc_t v2 = scaled_entry(b[i], p2) * q2;
+        const acc_t v1 = normalized_entry(scaled_entry(a[i], p1), divisor1, q1);
+        const acc_t v2 = normalized_entry(scaled_entry(b[i], p2), divisor2, q2);
         da[i] = saturate(cosine_grad_value(g, v1, v2, c, p1, gf1),
                                   largest_finite<scalar_t>());
         db[i] = saturate(cosine_grad_value(g, v2, v1, c, p2, gf2),
@@ -532,7 +539,7 @@ __global__ void __launch_bounds__(kWarpRowThreads)
       }
       group_reduce(sums, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
     }
-    if (lane == 0) write_similarity(output, stats, row, p1, p2, sums, eps);
+    if (lane == 0) write_similarity(output, stats, row, amax1, amax2, p1, p2, sums, eps);
   }
 }
 
@@ -578,6 +585,7 @@ __global__ void __launch_bounds__(kWarpRowThreads)
       group_reduce(ssq, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
     }
     const acc_t q = clamped_norm_factor(p, ssq[0], eps);
+    const acc_t divisor = unit_divisor(norm_divisor(p, ssq[0], eps), p, amax);
     if (lane == 0) {
       stats[2 * row] = p;
       stats[2 * row + 1] = norm_grad_factor(p, ssq[0], eps);
@@ -591,14 +599,14 @@ __global__ void __launch_bounds__(kWarpRowThreads)
         acc_t x[kVec];
         load_acc<kVec>(x_row + vi * kVec, x);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) x[i] = (x[i] * p) * q;
+        for (int i = 0; i < kVec; ++i) x[i] = normalized_entry(x[i] * p, divisor, q);
         store_acc<kVec>(y_row + vi * kVec, x);
       }
     } else {
       for (int64_t vi = lane; vi < nvec; vi += kWarp) {
         acc_t x[kVec];
         load_acc<kVec>(x_row + vi * kVec, x);
-        store_normalized(y_row, vi, x, p, q);
+        store_normalized(y_row, vi, x, p, divisor, q);
       }
     }
   }

@@ -6,16 +6,17 @@
 // only sees these declarations.
 //
 // Every pointer is a device pointer to contiguous data. The statistics are
-// those of registration.cpp and nanfree/cosine_math.h, in acc_of_t<scalar_t>
-// (float; double for double input): normalize's are [rows, 2], (p,
-// grad_factor); cosine_similarity's [rows, 6], (p1, q1, grad_factor1, p2, q2,
-// grad_factor2). `eps` is the op's (positive): the kernels use
+// those of nanfree/cosine_math.h, in acc_of_t<scalar_t>
+// (float; double for double input): normalize's are [rows, kNormalizeStats],
+// (p, grad_factor); cosine_similarity's [rows, kCosineStats], (p, q, divisor,
+// grad_factor of x1, then of x2). `eps` is the op's (positive): the kernels use
 // effective_eps of it in the accumulation type. Element types: float, double,
 // __half, __nv_bfloat16. Each launcher returns cudaGetLastError() after its
 // launch, and cudaSuccess without launching when there is nothing to compute.
 // d == 0 is a valid problem for the forwards: each vector is empty (largest
-// magnitude 0), so the statistics are p = 1, q = 0, grad_factor = 0 and each
-// similarity 0, from the same functions of cosine_math.h.
+// magnitude 0), so the statistics are p = 1, q = 0, divisor = 0,
+// grad_factor = 0 and each similarity 0, from the same functions of
+// cosine_math.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,14 +36,14 @@ cudaError_t normalize_forward(const scalar_t* input, scalar_t* output, acc_of_t<
                               int64_t rows, int64_t d, double eps, cudaStream_t stream);
 
 // The gradient of normalize: grad, output and grad_input are [rows, d],
-// stats the forward's [rows, 2].
+// stats the forward's [rows, kNormalizeStats].
 template <typename scalar_t>
 cudaError_t normalize_backward(const scalar_t* grad, const scalar_t* output,
                                const acc_of_t<scalar_t>* stats, scalar_t* grad_input,
                                int64_t rows, int64_t d, cudaStream_t stream);
 
 // The cosine similarity of rows of x1 and x2 ([rows, d] each): output [rows]
-// and the stats [rows, 6].
+// and the stats [rows, kCosineStats].
 template <typename scalar_t>
 cudaError_t cosine_forward(const scalar_t* x1, const scalar_t* x2, scalar_t* output,
                            acc_of_t<scalar_t>* stats, int64_t rows, int64_t d, double eps,
@@ -50,7 +51,7 @@ cudaError_t cosine_forward(const scalar_t* x1, const scalar_t* x2, scalar_t* out
 
 // The gradients of cosine_similarity: grad and output (the forward's
 // similarities) are [rows]; x1, x2, grad_x1 and grad_x2 [rows, d]; stats the
-// forward's [rows, 6].
+// forward's [rows, kCosineStats].
 template <typename scalar_t>
 cudaError_t cosine_backward(const scalar_t* grad, const scalar_t* x1, const scalar_t* x2,
                             const scalar_t* output, const acc_of_t<scalar_t>* stats,

@@ -21,7 +21,7 @@ COS_SIM_EPS = 1e-12
 INF = float("inf")
 
 NORMALIZE_STATS = 2  # p, grad_factor
-COSINE_STATS = 6  # p1, q1, grad_factor1, p2, q2, grad_factor2
+COSINE_STATS = 8  # p, q, divisor, grad_factor of x1, then of x2 (kCosineStats)
 
 
 def check_has_vectors(op, name, t):

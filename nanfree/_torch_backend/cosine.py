@@ -55,6 +55,25 @@ def clamped_norm_factor(p, ssq, eps):
     return torch.where(torch.isnan(ssq), ssq, q)  # NaN stays NaN
 
 
+def norm_divisor(p, ssq, eps):
+    """sqrt(ssq) where q is 1 / sqrt(ssq); 0 for zero and below-eps vectors; NaN for NaN."""
+    divisor = torch.where(norm_at_least(p, ssq, eps) | (p == 0), torch.sqrt(ssq), 0.0)
+    divisor = torch.where(ssq == 0, 0.0, divisor)  # a zero vector: no norm to divide by
+    return torch.where(torch.isnan(ssq), ssq, divisor)  # NaN stays NaN
+
+
+def unit_divisor(divisor, p, amax):
+    """The norm_divisor where it equals the largest scaled magnitude (an entry
+    normalized_entry makes exactly +-1), else 0 (NaN vectors: 0, their q is NaN)."""
+    return torch.where((divisor > 0) & (divisor == scaled_entry(amax, p)), divisor, 0.0)
+
+
+def normalized_entry(s, divisor, q):
+    """s * q, and exactly +-1 where |s| is the (positive) divisor, as the quotient is."""
+    unit = torch.where(s > 0, 1.0, -1.0)
+    return torch.where((divisor > 0) & (s.abs() == divisor), unit, s * q)
+
+
 def norm_grad_factor(p, ssq, eps):
     """1 / sqrt(ssq), or 0 for vectors below eps, zero and infinite ones; NaN for NaN."""
     live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
@@ -67,8 +86,11 @@ def cosine_clamp(c):
     return torch.where(c > 1, 1.0, torch.where(c < -1, -1.0, c))
 
 
-def cosine_value(scaled_dot, q1, q2):
-    return cosine_clamp((scaled_dot * q1) * q2)
+def cosine_value(scaled_dot, divisor1, divisor2, q1, q2):
+    """scaled_dot / (divisor1 * divisor2) where both are positive, else (scaled_dot * q1) * q2; clamped."""
+    divisible = (divisor1 > 0) & (divisor2 > 0)
+    quotient = scaled_dot / torch.where(divisible, divisor1 * divisor2, 1.0)
+    return cosine_clamp(torch.where(divisible, quotient, (scaled_dot * q1) * q2))
 
 
 def normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor):
@@ -94,20 +116,27 @@ def _saturate_to(x, dtype):
 
 
 def _vector_state(x, eps):
-    """(scaled entries, p, ssq, q, grad_factor) of each vector (last dim) of x."""
-    p = norm_scale(x.abs().amax(dim=-1, keepdim=True)) if x.shape[-1] else \
-        torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)
+    """(scaled entries, p, q, norm_divisor, unit_divisor, grad_factor) of each
+    vector (last dim) of x."""
+    if x.shape[-1]:
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        p = norm_scale(amax)
+    else:
+        amax = torch.zeros(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)
+        p = torch.ones_like(amax)
     s = scaled_entry(x, p)
     ssq = (s * s).sum(dim=-1, keepdim=True)
-    return s, p, ssq, clamped_norm_factor(p, ssq, eps), norm_grad_factor(p, ssq, eps)
+    divisor = norm_divisor(p, ssq, eps)
+    return (s, p, clamped_norm_factor(p, ssq, eps), divisor, unit_divisor(divisor, p, amax),
+            norm_grad_factor(p, ssq, eps))
 
 
 def normalize(input, eps):
     check_normalize(input, eps)
     x = _acc(input)
-    s, p, _, q, grad_factor = _vector_state(x, effective_eps(eps, x.dtype))
+    s, p, q, _, unit, grad_factor = _vector_state(x, effective_eps(eps, x.dtype))
     stats = torch.cat([p, grad_factor], dim=-1)
-    return (s * q).to(input.dtype).contiguous(), stats
+    return normalized_entry(s, unit, q).to(input.dtype).contiguous(), stats
 
 
 def normalize_backward(grad_output, output, stats):
@@ -124,18 +153,18 @@ def cosine_similarity(x1, x2, eps):
     check_cosine(x1, x2, eps)
     a, b = _acc(x1), _acc(x2)
     eps = effective_eps(eps, a.dtype)
-    s1, p1, _, q1, gf1 = _vector_state(a, eps)
-    s2, p2, _, q2, gf2 = _vector_state(b, eps)
-    c = cosine_value((s1 * s2).sum(dim=-1, keepdim=True), q1, q2)
-    stats = torch.cat([p1, q1, gf1, p2, q2, gf2], dim=-1)
+    s1, p1, q1, divisor1, unit1, gf1 = _vector_state(a, eps)
+    s2, p2, q2, divisor2, unit2, gf2 = _vector_state(b, eps)
+    c = cosine_value((s1 * s2).sum(dim=-1, keepdim=True), divisor1, divisor2, q1, q2)
+    stats = torch.cat([p1, q1, unit1, gf1, p2, q2, unit2, gf2], dim=-1)
     return c.squeeze(-1).to(x1.dtype).contiguous(), stats
 
 
 def cosine_similarity_backward(grad_output, x1, x2, output, stats):
     check_cosine_backward(grad_output, x1, x2, output, stats)
-    p1, q1, gf1, p2, q2, gf2 = (stats[..., k:k + 1] for k in range(6))
-    v1 = scaled_entry(_acc(x1), p1) * q1
-    v2 = scaled_entry(_acc(x2), p2) * q2
+    p1, q1, unit1, gf1, p2, q2, unit2, gf2 = (stats[..., k:k + 1] for k in range(8))
+    v1 = normalized_entry(scaled_entry(_acc(x1), p1), unit1, q1)
+    v2 = normalized_entry(scaled_entry(_acc(x2), p2), unit2, q2)
     g, c = _acc(grad_output).unsqueeze(-1), _acc(output).unsqueeze(-1)
     dx1 = cosine_grad_value(g, v1, v2, c, p1, gf1)
     dx2 = cosine_grad_value(g, v2, v1, c, p2, gf2)

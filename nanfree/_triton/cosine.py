@@ -27,8 +27,8 @@ entry (r, j) is at element r * d + j. A program handles a tile of
 
 Everything is computed in float32 (float64 for float64 input); outputs take
 the input dtype, statistics the accumulation dtype. Per-vector statistics:
-normalize (p, grad_factor), cosine_similarity (p1, q1, grad_factor1, p2, q2,
-grad_factor2), one row of them per vector.
+normalize (p, grad_factor), cosine_similarity (p, q, unit_divisor, grad_factor of x1,
+then of x2: COSINE_STATS), one row of them per vector.
 
 cos_sim_matrix. clamp(a @ b.T) of a [N, d] and b [M, d]: a tiled tl.dot GEMM
 (GEMM_BLOCK_N x GEMM_BLOCK_M output tiles, GEMM_BLOCK_K along d), b read
@@ -61,6 +61,9 @@ from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded, store_saturated, widen
 from .numerics import (GRAD_SUM_SCALE, GRAD_SUM_UNSCALE, effective_eps, grad_sum_overflowed,
                        max_normal_exponent, min_normal_exponent, nf_ilogb, nf_ldexp, nf_sqrt)
+
+# The per-row width of cosine_similarity's statistics, for the kernels.
+STATS = tl.constexpr(COSINE_STATS)
 
 # Block policy (module attributes, so tests may shrink them to reach the loops).
 # Row kernels: rows of at most MAX_FUSED_D entries are loaded once, in tiles of
@@ -134,6 +137,40 @@ def clamped_norm_factor(p, ssq, eps):
 
 
 @triton.jit
+def norm_divisor(p, ssq, eps):
+    """The scaled norm sqrt(ssq) of a vector whose q is 1 / sqrt(ssq) (a norm of
+    at least eps, or an infinite vector's limit direction); 0 for a zero vector
+    and a vector below eps, whose q is 0 and (1 / eps) / p. NaN for a NaN vector."""
+    divisor = tl.where((p == 0) | norm_at_least(p, ssq, eps), nf_sqrt(ssq), 0.0)
+    divisor = tl.where(ssq == 0, 0.0, divisor)  # a zero vector: no norm to divide by
+    # A NaN vector: NaN (the comparisons above would be false and hide it).
+    return tl.where(ssq != ssq, ssq, divisor)
+
+
+@triton.jit
+def unit_divisor(divisor, p, amax):
+    """A vector's norm_divisor where the vector holds an entry of the norm's
+    magnitude, which normalized_entry makes exactly +-1; else 0. Only a largest
+    entry can, and only if the divisor equals it (the rounded norm is never
+    smaller), so normalized_entry gives the same with this divisor as with
+    norm_divisor. `amax` is the vector's largest magnitude (NaN and +inf as in
+    norm_scale)."""
+    # A NaN divisor fails the test: 0, and q is NaN.
+    return tl.where((divisor > 0) & (divisor == scaled_entry(amax, p)), divisor, 0.0)
+
+
+@triton.jit
+def normalized_entry(s, divisor, q):
+    """The normalized entry x / max(norm, eps) of a scaled entry s, given its
+    vector's norm_divisor (or unit_divisor) and clamped_norm_factor q: s * q, within a rounding
+    of the quotient, except an entry whose magnitude is the (positive) divisor
+    itself, which is exactly +-1 as the quotient is (s * q can give 1 - 2^-24
+    there). NaN for a NaN vector: q is NaN."""
+    unit = tl.where(s > 0, 1.0, -1.0)
+    return tl.where((divisor > 0) & (tl.abs(s) == divisor), unit, s * q)
+
+
+@triton.jit
 def norm_grad_factor(p, ssq, eps):
     """The factor of the gradient: d(x / norm)/dx carries 1 / norm == p * q.
     0 below eps and for zero and infinite vectors, which pass no gradient; NaN
@@ -154,10 +191,15 @@ def cosine_clamp(c):
 
 
 @triton.jit
-def cosine_value(scaled_dot, q1, q2):
+def cosine_value(scaled_dot, divisor1, divisor2, q1, q2):
     """The cosine similarity of two vectors from the dot product of their scaled
-    entries and their factors q: sum(v1 * v2) with v = scaled * q, clamped."""
-    return cosine_clamp((scaled_dot * q1) * q2)
+    entries, their norm_divisors and their factors q, clamped. Where both
+    divisors are positive: scaled_dot / (divisor1 * divisor2), exactly +-1 for
+    two vectors with one nonzero entry at the same index, as torch's; otherwise
+    (a zero, below-eps or NaN vector) (scaled_dot * q1) * q2."""
+    divisible = (divisor1 > 0) & (divisor2 > 0)
+    quotient = ieee_div(scaled_dot, tl.where(divisible, divisor1 * divisor2, 1.0))
+    return cosine_clamp(tl.where(divisible, quotient, (scaled_dot * q1) * q2))
 
 
 @triton.jit
@@ -181,7 +223,8 @@ def normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor):
 def cosine_grad_value(g, v_self, v_other, c, p_self, grad_factor_self):
     """d cosine_similarity with respect to x1 (swap the roles for x2): with
     v = x / max(norm, eps) the normalized entries and c the similarity,
-    dc/dx1 = (v2 - c * v1) / norm1 (grad_factor before p, as in normalize_grad_value)."""
+    dc/dx1 = (v2 - c * v1) / norm1 (grad_factor before p, as in normalize_grad_value);
+    v is normalized_entry."""
     return g * (((v_other - c * v_self) * grad_factor_self) * p_self)
 
 
@@ -252,7 +295,8 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
     eps = _eps_in(eps, ACC)
     offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
     x = load_acc(x_ptr, offs, inside, ACC)  # the whole row when SINGLE_BLOCK
-    p = norm_scale(_vector_amax(x_ptr, rows, in_row, d, x, ACC, BLOCK_D, SINGLE_BLOCK))
+    amax = _vector_amax(x_ptr, rows, in_row, d, x, ACC, BLOCK_D, SINGLE_BLOCK)
+    p = norm_scale(amax)
     pc = p[:, None]
     if SINGLE_BLOCK:
         s = scaled_entry(x, pc)
@@ -268,13 +312,14 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
     tl.store(stats_ptr + rows * 2, p, mask=in_row)
     tl.store(stats_ptr + rows * 2 + 1, norm_grad_factor(p, ssq, eps), mask=in_row)
     qc = q[:, None]
+    divisor = unit_divisor(norm_divisor(p, ssq, eps), p, amax)[:, None]
     if SINGLE_BLOCK:
-        store_rounded(y_ptr, offs, s * qc, inside)
+        store_rounded(y_ptr, offs, normalized_entry(s, divisor, qc), inside)
     else:
         for start in range(0, d, BLOCK_D):
             o, inn = _tile_at(rows, in_row, start, d, BLOCK_D)
             sb = scaled_entry(load_acc(x_ptr, o, inn, ACC), pc)
-            store_rounded(y_ptr, o, sb * qc, inn)
+            store_rounded(y_ptr, o, normalized_entry(sb, divisor, qc), inn)
 
 
 @triton.jit
@@ -321,8 +366,10 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
     offs, inside = _tile_at(rows, in_row, 0, d, BLOCK_D)
     a = load_acc(x1_ptr, offs, inside, ACC)  # the whole rows when SINGLE_BLOCK
     b = load_acc(x2_ptr, offs, inside, ACC)
-    p1 = norm_scale(_vector_amax(x1_ptr, rows, in_row, d, a, ACC, BLOCK_D, SINGLE_BLOCK))
-    p2 = norm_scale(_vector_amax(x2_ptr, rows, in_row, d, b, ACC, BLOCK_D, SINGLE_BLOCK))
+    amax1 = _vector_amax(x1_ptr, rows, in_row, d, a, ACC, BLOCK_D, SINGLE_BLOCK)
+    amax2 = _vector_amax(x2_ptr, rows, in_row, d, b, ACC, BLOCK_D, SINGLE_BLOCK)
+    p1 = norm_scale(amax1)
+    p2 = norm_scale(amax2)
     p1c, p2c = p1[:, None], p2[:, None]
     if SINGLE_BLOCK:
         s1 = scaled_entry(a, p1c)
@@ -346,15 +393,19 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
         dot = tl.sum(part12, axis=1)
     q1 = clamped_norm_factor(p1, ssq1, eps)
     q2 = clamped_norm_factor(p2, ssq2, eps)
-    c = cosine_value(dot, q1, q2)
+    divisor1 = norm_divisor(p1, ssq1, eps)
+    divisor2 = norm_divisor(p2, ssq2, eps)
+    c = cosine_value(dot, divisor1, divisor2, q1, q2)
     store_rounded(out_ptr, rows, c, in_row)
-    st = stats_ptr + rows * 6
+    st = stats_ptr + rows * STATS
     tl.store(st, p1, mask=in_row)
     tl.store(st + 1, q1, mask=in_row)
-    tl.store(st + 2, norm_grad_factor(p1, ssq1, eps), mask=in_row)
-    tl.store(st + 3, p2, mask=in_row)
-    tl.store(st + 4, q2, mask=in_row)
-    tl.store(st + 5, norm_grad_factor(p2, ssq2, eps), mask=in_row)
+    tl.store(st + 2, unit_divisor(divisor1, p1, amax1), mask=in_row)
+    tl.store(st + 3, norm_grad_factor(p1, ssq1, eps), mask=in_row)
+    tl.store(st + 4, p2, mask=in_row)
+    tl.store(st + 5, q2, mask=in_row)
+    tl.store(st + 6, unit_divisor(divisor2, p2, amax2), mask=in_row)
+    tl.store(st + 7, norm_grad_factor(p2, ssq2, eps), mask=in_row)
 
 
 @triton.jit
@@ -364,20 +415,22 @@ def _cosine_backward_kernel(go_ptr, x1_ptr, x2_ptr, c_ptr, stats_ptr, g1_ptr, g2
     over the row's blocks whatever its length."""
     ACC: tl.constexpr = stats_ptr.dtype.element_ty
     rows, in_row = _row_block(n_rows, BLOCK_R)
-    st = stats_ptr + rows * 6
-    # Rows outside the problem read p 1 and factors 0 (never stored).
+    st = stats_ptr + rows * STATS
+    # Rows outside the problem read p 1 and factors and divisors 0 (never stored).
     p1 = tl.load(st, mask=in_row, other=1.0)[:, None]
     q1 = tl.load(st + 1, mask=in_row, other=0.0)[:, None]
-    gf1 = tl.load(st + 2, mask=in_row, other=0.0)[:, None]
-    p2 = tl.load(st + 3, mask=in_row, other=1.0)[:, None]
-    q2 = tl.load(st + 4, mask=in_row, other=0.0)[:, None]
-    gf2 = tl.load(st + 5, mask=in_row, other=0.0)[:, None]
+    divisor1 = tl.load(st + 2, mask=in_row, other=0.0)[:, None]
+    gf1 = tl.load(st + 3, mask=in_row, other=0.0)[:, None]
+    p2 = tl.load(st + 4, mask=in_row, other=1.0)[:, None]
+    q2 = tl.load(st + 5, mask=in_row, other=0.0)[:, None]
+    divisor2 = tl.load(st + 6, mask=in_row, other=0.0)[:, None]
+    gf2 = tl.load(st + 7, mask=in_row, other=0.0)[:, None]
     g = tl.load(go_ptr + rows, mask=in_row, other=0.0).to(ACC)[:, None]
     c = tl.load(c_ptr + rows, mask=in_row, other=0.0).to(ACC)[:, None]
     for start in range(0, d, BLOCK_D):
         offs, inside = _tile_at(rows, in_row, start, d, BLOCK_D)
-        v1 = scaled_entry(load_acc(x1_ptr, offs, inside, ACC), p1) * q1
-        v2 = scaled_entry(load_acc(x2_ptr, offs, inside, ACC), p2) * q2
+        v1 = normalized_entry(scaled_entry(load_acc(x1_ptr, offs, inside, ACC), p1), divisor1, q1)
+        v2 = normalized_entry(scaled_entry(load_acc(x2_ptr, offs, inside, ACC), p2), divisor2, q2)
         store_saturated(g1_ptr, offs, cosine_grad_value(g, v1, v2, c, p1, gf1), inside)
         store_saturated(g2_ptr, offs, cosine_grad_value(g, v2, v1, c, p2, gf2), inside)
 
@@ -504,7 +557,7 @@ def normalize_backward(grad_output, output, stats):
 
 def cosine_similarity(x1, x2, eps):
     """Cosine similarity of x1 and x2 (one shape) over the last dim -> (output
-    x1.shape[:-1], stats [..., 6] = (p1, q1, grad_factor1, p2, q2, grad_factor2))."""
+    x1.shape[:-1], stats [..., COSINE_STATS])."""
     check_cosine(x1, x2, eps)
     _check_runnable("cosine_similarity", x1)
     a, b = x1.contiguous(), x2.contiguous()
