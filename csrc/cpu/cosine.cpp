@@ -189,10 +189,11 @@ void normalize_kernel(const NormalizeArgs& args, double eps_arg) {
       const scalar_t* x = in + r * d;
       scalar_t* y = out + r * d;
       const auto [amax, p, ssq] = scale_and_ssq(x, d, guess);
-      const acc_t q = clamped_norm_factor(p, ssq, eps);
-      const acc_t divisor = unit_divisor(norm_divisor(p, ssq, eps), p, amax);
+      const NormFactors<acc_t> f = norm_factors(p, ssq, eps);
+      const acc_t q = f.q;
+      const acc_t divisor = unit_divisor(f.divisor, p, amax);
       stats[2 * r] = p;
-      stats[2 * r + 1] = norm_grad_factor(p, ssq, eps);
+      stats[2 * r + 1] = f.grad_factor;
       if (plain_scale(p) && divisor == acc_t(0)) {  // normalized_entry is s * q throughout
         const V pv(p), qv(q);
         write_row(y, d, stream, [&](int64_t j, int64_t count) {
@@ -379,20 +380,18 @@ void cosine_kernel(const CosineArgs& args, double eps_arg) {
         }
       }
       const acc_t ssq_a = sums.ssq_a, ssq_b = sums.ssq_b, dot = sums.dot;
-      const acc_t qa = clamped_norm_factor(pa, ssq_a, eps);
-      const acc_t qb = clamped_norm_factor(pb, ssq_b, eps);
-      const acc_t divisor_a = norm_divisor(pa, ssq_a, eps);
-      const acc_t divisor_b = norm_divisor(pb, ssq_b, eps);
-      out[r] = static_cast<scalar_t>(cosine_value(dot, divisor_a, divisor_b, qa, qb));
+      const NormFactors<acc_t> fa = norm_factors(pa, ssq_a, eps);
+      const NormFactors<acc_t> fb = norm_factors(pb, ssq_b, eps);
+      out[r] = static_cast<scalar_t>(cosine_value(dot, fa.divisor, fb.divisor, fa.q, fb.q));
       acc_t* st = stats + kCosineStats * r;
       st[0] = pa;
-      st[1] = qa;
-      st[2] = unit_divisor(divisor_a, pa, amax_a);
-      st[3] = norm_grad_factor(pa, ssq_a, eps);
+      st[1] = fa.q;
+      st[2] = unit_divisor(fa.divisor, pa, amax_a);
+      st[3] = fa.grad_factor;
       st[4] = pb;
-      st[5] = qb;
-      st[6] = unit_divisor(divisor_b, pb, amax_b);
-      st[7] = norm_grad_factor(pb, ssq_b, eps);
+      st[5] = fb.q;
+      st[6] = unit_divisor(fb.divisor, pb, amax_b);
+      st[7] = fb.grad_factor;
     }
   });
 }

@@ -35,10 +35,10 @@
 // magnitude amax of each vector (NaN when an entry is NaN: MaxKeepNanOp),
 // reduced over the group; p = norm_scale(amax); then the sum of squares of
 // the scaled entries ssq (and for cosine_similarity their dot product),
-// reduced over the group; then q = clamped_norm_factor, the divisor =
-// unit_divisor and grad_factor = norm_grad_factor. normalize writes
-// normalized_entry(scaled_entry(x, p), divisor, q); cosine_similarity writes
-// cosine_value(dot, norm_divisor1, norm_divisor2, q1, q2). normalize's backward
+// reduced over the group; then q, the divisor and grad_factor =
+// norm_factors, and the unit_divisor. normalize writes
+// normalized_entry(scaled_entry(x, p), unit divisor, q); cosine_similarity
+// writes cosine_value(dot, divisor1, divisor2, q1, q2). normalize's backward
 // reduces dot = sum(g * y) and writes normalize_grad_value per entry;
 // cosine_similarity's backward is elementwise given the row's statistics,
 // its incoming gradient and its similarity (cosine_grad_value of the
@@ -202,11 +202,12 @@ __global__ void __launch_bounds__(kMaxThreads)
     group_reduce(ssq, G, partial, SumOp{});
     if (!active) continue;  // after the block-wide reductions
 
-    const acc_t q = clamped_norm_factor(p, ssq[0], eps);
-    const acc_t divisor = unit_divisor(norm_divisor(p, ssq[0], eps), p, amax[0]);
+    const NormFactors<acc_t> f = norm_factors(p, ssq[0], eps);
+    const acc_t q = f.q;
+    const acc_t divisor = unit_divisor(f.divisor, p, amax[0]);
     if (t == 0) {
       stats[2 * row] = p;
-      stats[2 * row + 1] = norm_grad_factor(p, ssq[0], eps);
+      stats[2 * row + 1] = f.grad_factor;
     }
     scalar_t* y_row = output + row * d;
     if constexpr (kIters > 0) {
@@ -324,20 +325,18 @@ template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void write_similarity(scalar_t* output, acc_t* stats, int64_t row,
                                                  acc_t amax1, acc_t amax2, acc_t p1, acc_t p2,
                                                  const acc_t (&sums)[3], acc_t eps) {
-  const acc_t q1 = clamped_norm_factor(p1, sums[0], eps);
-  const acc_t q2 = clamped_norm_factor(p2, sums[1], eps);
-  const acc_t divisor1 = norm_divisor(p1, sums[0], eps);
-  const acc_t divisor2 = norm_divisor(p2, sums[1], eps);
-  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], divisor1, divisor2, q1, q2));
+  const NormFactors<acc_t> f1 = norm_factors(p1, sums[0], eps);
+  const NormFactors<acc_t> f2 = norm_factors(p2, sums[1], eps);
+  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], f1.divisor, f2.divisor, f1.q, f2.q));
   acc_t* st = stats + kCosineStats * row;
   st[0] = p1;
-  st[1] = q1;
-  st[2] = unit_divisor(divisor1, p1, amax1);
-  st[3] = norm_grad_factor(p1, sums[0], eps);
+  st[1] = f1.q;
+  st[2] = unit_divisor(f1.divisor, p1, amax1);
+  st[3] = f1.grad_factor;
   st[4] = p2;
-  st[5] = q2;
-  st[6] = unit_divisor(divisor2, p2, amax2);
-  st[7] = norm_grad_factor(p2, sums[1], eps);
+  st[5] = f2.q;
+  st[6] = unit_divisor(f2.divisor, p2, amax2);
+  st[7] = f2.grad_factor;
 }
 
 template <typename scalar_t, int kVec, int kIters>
@@ -584,11 +583,12 @@ __global__ void __launch_bounds__(kWarpRowThreads)
       }
       group_reduce(ssq, kWarp, static_cast<acc_t*>(nullptr), SumOp{});
     }
-    const acc_t q = clamped_norm_factor(p, ssq[0], eps);
-    const acc_t divisor = unit_divisor(norm_divisor(p, ssq[0], eps), p, amax);
+    const NormFactors<acc_t> f = norm_factors(p, ssq[0], eps);
+    const acc_t q = f.q;
+    const acc_t divisor = unit_divisor(f.divisor, p, amax);
     if (lane == 0) {
       stats[2 * row] = p;
-      stats[2 * row + 1] = norm_grad_factor(p, ssq[0], eps);
+      stats[2 * row + 1] = f.grad_factor;
     }
     // The row again (from cache: the warp has just read it).
     scalar_t* y_row = output + row * d;

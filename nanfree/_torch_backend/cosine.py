@@ -42,28 +42,26 @@ def scaled_entry(x, p):
     return torch.where(p == 0, limit, x * p)
 
 
-def norm_at_least(p, ssq, eps):
-    # sqrt(ssq) >= eps * p; an overflowing eps * p means the vector is tiny: False.
-    return torch.sqrt(ssq) >= eps * p
-
-
-def clamped_norm_factor(p, ssq, eps):
-    """q with x / max(norm, eps) == scaled_entry(x, p) * q."""
+def norm_factors(p, ssq, eps):
+    """(q, divisor, grad_factor) from one square root: q with x / max(norm, eps)
+    == scaled_entry(x, p) * q; divisor sqrt(ssq) where q is 1 / sqrt(ssq), else
+    0; grad_factor 1 / sqrt(ssq), or 0 for vectors below eps, zero and infinite
+    ones. NaN throughout for a NaN vector."""
     root = torch.sqrt(ssq)
-    q = torch.where(norm_at_least(p, ssq, eps) | (p == 0), 1.0 / root, (1.0 / eps) / p)
-    q = torch.where(ssq == 0, 0.0, q)  # a zero vector normalizes to 0
-    return torch.where(torch.isnan(ssq), ssq, q)  # NaN stays NaN
-
-
-def norm_divisor(p, ssq, eps):
-    """sqrt(ssq) where q is 1 / sqrt(ssq); 0 for zero and below-eps vectors; NaN for NaN."""
-    divisor = torch.where(norm_at_least(p, ssq, eps) | (p == 0), torch.sqrt(ssq), 0.0)
-    divisor = torch.where(ssq == 0, 0.0, divisor)  # a zero vector: no norm to divide by
-    return torch.where(torch.isnan(ssq), ssq, divisor)  # NaN stays NaN
+    unit = 1.0 / root
+    # root >= eps * p; an overflowing eps * p means the vector is tiny: False.
+    at_least = root >= eps * p
+    divides = at_least | (p == 0)  # an infinite vector's limit direction divides too
+    q = torch.where(divides, unit, (1.0 / eps) / p)
+    divisor = torch.where(divides, root, 0.0)
+    grad_factor = torch.where(at_least & (p != 0), unit, 0.0)
+    zero, nan = ssq == 0, torch.isnan(ssq)
+    # A zero vector: q, divisor and gradient 0; NaN stays NaN.
+    return tuple(torch.where(nan, ssq, torch.where(zero, 0.0, v)) for v in (q, divisor, grad_factor))
 
 
 def unit_divisor(divisor, p, amax):
-    """The norm_divisor where it equals the largest scaled magnitude (an entry
+    """The divisor (norm_factors) where it equals the largest scaled magnitude (an entry
     normalized_entry makes exactly +-1), else 0 (NaN vectors: 0, their q is NaN)."""
     return torch.where((divisor > 0) & (divisor == scaled_entry(amax, p)), divisor, 0.0)
 
@@ -72,13 +70,6 @@ def normalized_entry(s, divisor, q):
     """s * q, and exactly +-1 where |s| is the (positive) divisor, as the quotient is."""
     unit = torch.where(s > 0, 1.0, -1.0)
     return torch.where((divisor > 0) & (s.abs() == divisor), unit, s * q)
-
-
-def norm_grad_factor(p, ssq, eps):
-    """1 / sqrt(ssq), or 0 for vectors below eps, zero and infinite ones; NaN for NaN."""
-    live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
-    g = torch.where(live, 1.0 / torch.sqrt(ssq), 0.0)
-    return torch.where(torch.isnan(ssq), ssq, g)
 
 
 def cosine_clamp(c):
@@ -116,7 +107,7 @@ def _saturate_to(x, dtype):
 
 
 def _vector_state(x, eps):
-    """(scaled entries, p, q, norm_divisor, unit_divisor, grad_factor) of each
+    """(scaled entries, p, q, divisor, unit_divisor, grad_factor) of each
     vector (last dim) of x."""
     if x.shape[-1]:
         amax = x.abs().amax(dim=-1, keepdim=True)
@@ -126,9 +117,8 @@ def _vector_state(x, eps):
         p = torch.ones_like(amax)
     s = scaled_entry(x, p)
     ssq = (s * s).sum(dim=-1, keepdim=True)
-    divisor = norm_divisor(p, ssq, eps)
-    return (s, p, clamped_norm_factor(p, ssq, eps), divisor, unit_divisor(divisor, p, amax),
-            norm_grad_factor(p, ssq, eps))
+    q, divisor, grad_factor = norm_factors(p, ssq, eps)
+    return s, p, q, divisor, unit_divisor(divisor, p, amax), grad_factor
 
 
 def normalize(input, eps):

@@ -113,47 +113,43 @@ def scaled_entry(x, p):
 
 
 @triton.jit
-def norm_at_least(p, ssq, eps):
-    # Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
-    # nonzero vector: compared as sqrt(ssq) >= eps * p. When eps * p overflows
-    # to +inf the vector is tiny next to eps: false, as it should be.
-    return nf_sqrt(ssq) >= eps * p
-
-
-@triton.jit
-def clamped_norm_factor(p, ssq, eps):
-    """q with x / max(norm, eps) == scaled_entry(x, p) * q, given the vector's
-    scale p and the sum of squares ssq of its scaled entries."""
-    # Unit length: 1 / sqrt(ssq) (inf at ssq == 0, which the zero-vector rule replaces).
-    unit = ieee_div(1.0, nf_sqrt(ssq))
-    # The limit direction of an infinite vector: its scaled entries are +-1 and 0.
-    # Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing by p (a power of
-    # two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it finite.
-    q = tl.where((p == 0) | norm_at_least(p, ssq, eps), unit, ieee_div(ieee_div(1.0, eps), p))
-    # A zero vector normalizes to 0 (0 / eps), and 1 / (eps * p) may overflow.
-    q = tl.where(ssq == 0, 0.0, q)
-    # A NaN entry: NaN (the comparisons above would be false and hide it).
-    return tl.where(ssq != ssq, ssq, q)
-
-
-@triton.jit
-def norm_divisor(p, ssq, eps):
-    """The scaled norm sqrt(ssq) of a vector whose q is 1 / sqrt(ssq) (a norm of
-    at least eps, or an infinite vector's limit direction); 0 for a zero vector
-    and a vector below eps, whose q is 0 and (1 / eps) / p. NaN for a NaN vector."""
-    divisor = tl.where((p == 0) | norm_at_least(p, ssq, eps), nf_sqrt(ssq), 0.0)
-    divisor = tl.where(ssq == 0, 0.0, divisor)  # a zero vector: no norm to divide by
-    # A NaN vector: NaN (the comparisons above would be false and hide it).
-    return tl.where(ssq != ssq, ssq, divisor)
+def norm_factors(p, ssq, eps):
+    """(q, divisor, grad_factor) of a vector from its scale p and the sum of
+    squares ssq of its scaled entries, with one square root: q, the clamped
+    norm factor (x / max(norm, eps) == scaled_entry(x, p) * q); divisor, the
+    scaled norm sqrt(ssq) where q is 1 / sqrt(ssq), else 0; grad_factor,
+    1 / norm == p * grad_factor, 0 where the vector passes no gradient."""
+    root = nf_sqrt(ssq)
+    unit = ieee_div(1.0, root)  # inf at ssq == 0, which the zero-vector rule replaces
+    # The norm (root / p) is at least eps, compared as root >= eps * p; when
+    # eps * p overflows to +inf the vector is tiny next to eps and fails, as it should.
+    at_least = root >= eps * p
+    # An infinite vector's limit direction (scaled entries +-1 and 0) divides
+    # by its root too. Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing
+    # by p (a power of two, at most 2^-min_exponent) rather than multiplying by
+    # eps * p keeps it finite.
+    q = tl.where((p == 0) | at_least, unit, ieee_div(ieee_div(1.0, eps), p))
+    divisor = tl.where((p == 0) | at_least, root, 0.0)
+    # An infinite vector's limit direction is locally constant, and a vector
+    # below eps has no direction to differentiate: no gradient.
+    grad_factor = tl.where((p != 0) & at_least, unit, 0.0)
+    # A zero vector normalizes to 0 (1 / (eps * p) may overflow), has no norm
+    # to divide by and passes no gradient.
+    zero = ssq == 0
+    q = tl.where(zero, 0.0, q)
+    divisor = tl.where(zero, 0.0, divisor)
+    grad_factor = tl.where(zero, 0.0, grad_factor)
+    # A NaN vector: NaN throughout (the comparisons above would be false and hide it).
+    nan = ssq != ssq
+    return tl.where(nan, ssq, q), tl.where(nan, ssq, divisor), tl.where(nan, ssq, grad_factor)
 
 
 @triton.jit
 def unit_divisor(divisor, p, amax):
-    """A vector's norm_divisor where the vector holds an entry of the norm's
-    magnitude, which normalized_entry makes exactly +-1; else 0. Only a largest
-    entry can, and only if the divisor equals it (the rounded norm is never
-    smaller), so normalized_entry gives the same with this divisor as with
-    norm_divisor. `amax` is the vector's largest magnitude (NaN and +inf as in
+    """A vector's divisor (norm_factors) where the vector holds an entry of the
+    norm's magnitude, which normalized_entry makes exactly +-1; else 0. Only a
+    largest entry can, and only if the divisor equals it (the rounded norm is
+    never smaller), so normalized_entry gives the same with either divisor. `amax` is the vector's largest magnitude (NaN and +inf as in
     norm_scale)."""
     # A NaN divisor fails the test: 0, and q is NaN.
     return tl.where((divisor > 0) & (divisor == scaled_entry(amax, p)), divisor, 0.0)
@@ -162,25 +158,12 @@ def unit_divisor(divisor, p, amax):
 @triton.jit
 def normalized_entry(s, divisor, q):
     """The normalized entry x / max(norm, eps) of a scaled entry s, given its
-    vector's norm_divisor (or unit_divisor) and clamped_norm_factor q: s * q, within a rounding
+    vector's divisor (or unit_divisor) and its q (norm_factors): s * q, within a rounding
     of the quotient, except an entry whose magnitude is the (positive) divisor
     itself, which is exactly +-1 as the quotient is (s * q can give 1 - 2^-24
     there). NaN for a NaN vector: q is NaN."""
     unit = tl.where(s > 0, 1.0, -1.0)
     return tl.where((divisor > 0) & (tl.abs(s) == divisor), unit, s * q)
-
-
-@triton.jit
-def norm_grad_factor(p, ssq, eps):
-    """The factor of the gradient: d(x / norm)/dx carries 1 / norm == p * q.
-    0 below eps and for zero and infinite vectors, which pass no gradient; NaN
-    for a NaN vector."""
-    # Zero and infinite vectors: no gradient (the limit direction is locally constant).
-    # Below eps the vector has no direction to differentiate: gradient 0.
-    live = (ssq != 0) & (p != 0) & norm_at_least(p, ssq, eps)
-    g = tl.where(live, ieee_div(1.0, nf_sqrt(ssq)), 0.0)
-    # A NaN vector's gradient is NaN.
-    return tl.where(ssq != ssq, ssq, g)
 
 
 @triton.jit
@@ -193,7 +176,7 @@ def cosine_clamp(c):
 @triton.jit
 def cosine_value(scaled_dot, divisor1, divisor2, q1, q2):
     """The cosine similarity of two vectors from the dot product of their scaled
-    entries, their norm_divisors and their factors q, clamped. Where both
+    entries, their divisors and their factors q (norm_factors), clamped. Where both
     divisors are positive: scaled_dot / (divisor1 * divisor2), exactly +-1 for
     two vectors with one nonzero entry at the same index, as torch's; otherwise
     (a zero, below-eps or NaN vector) (scaled_dot * q1) * q2."""
@@ -205,7 +188,7 @@ def cosine_value(scaled_dot, divisor1, divisor2, q1, q2):
 @triton.jit
 def normalize_grad_value(g, y, dot, dot_scaled, p, grad_factor):
     """d normalize: the gradient of y = x / norm for an incoming g, given
-    dot = sum(g * y) over the vector and grad_factor = norm_grad_factor:
+    dot = sum(g * y) over the vector and grad_factor (norm_factors):
     (g - y * dot) / norm, with 1 / norm applied as grad_factor, then p. In that
     order a grad_factor of 0 gives 0 even where p (up to 2^126 for a vector of
     subnormals) would overflow the product first and make it inf * 0 = NaN."""
@@ -308,11 +291,11 @@ def _normalize_kernel(x_ptr, y_ptr, stats_ptr, n_rows, d, eps: tl.float64,
             sb = scaled_entry(load_acc(x_ptr, o, inn, ACC), pc)
             partial += sb * sb
         ssq = tl.sum(partial, axis=1)
-    q = clamped_norm_factor(p, ssq, eps)
+    q, divisor, grad_factor = norm_factors(p, ssq, eps)
     tl.store(stats_ptr + rows * 2, p, mask=in_row)
-    tl.store(stats_ptr + rows * 2 + 1, norm_grad_factor(p, ssq, eps), mask=in_row)
+    tl.store(stats_ptr + rows * 2 + 1, grad_factor, mask=in_row)
     qc = q[:, None]
-    divisor = unit_divisor(norm_divisor(p, ssq, eps), p, amax)[:, None]
+    divisor = unit_divisor(divisor, p, amax)[:, None]
     if SINGLE_BLOCK:
         store_rounded(y_ptr, offs, normalized_entry(s, divisor, qc), inside)
     else:
@@ -391,21 +374,19 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
         ssq1 = tl.sum(part1, axis=1)
         ssq2 = tl.sum(part2, axis=1)
         dot = tl.sum(part12, axis=1)
-    q1 = clamped_norm_factor(p1, ssq1, eps)
-    q2 = clamped_norm_factor(p2, ssq2, eps)
-    divisor1 = norm_divisor(p1, ssq1, eps)
-    divisor2 = norm_divisor(p2, ssq2, eps)
+    q1, divisor1, grad_factor1 = norm_factors(p1, ssq1, eps)
+    q2, divisor2, grad_factor2 = norm_factors(p2, ssq2, eps)
     c = cosine_value(dot, divisor1, divisor2, q1, q2)
     store_rounded(out_ptr, rows, c, in_row)
     st = stats_ptr + rows * STATS
     tl.store(st, p1, mask=in_row)
     tl.store(st + 1, q1, mask=in_row)
     tl.store(st + 2, unit_divisor(divisor1, p1, amax1), mask=in_row)
-    tl.store(st + 3, norm_grad_factor(p1, ssq1, eps), mask=in_row)
+    tl.store(st + 3, grad_factor1, mask=in_row)
     tl.store(st + 4, p2, mask=in_row)
     tl.store(st + 5, q2, mask=in_row)
     tl.store(st + 6, unit_divisor(divisor2, p2, amax2), mask=in_row)
-    tl.store(st + 7, norm_grad_factor(p2, ssq2, eps), mask=in_row)
+    tl.store(st + 7, grad_factor2, mask=in_row)
 
 
 @triton.jit

@@ -9,7 +9,7 @@
 // largest magnitude), so every scaled entry x * p is below 2 in magnitude and
 // the largest is at least 1: the sum of squares of the scaled entries (ssq)
 // lies in [1, 4d] for a nonzero vector, and the norm is sqrt(ssq) / p.
-// Normalizing multiplies the scaled entry by q = clamped_norm_factor(...):
+// Normalizing multiplies the scaled entry by q (norm_factors):
 // x / max(norm, eps) == (x * p) * q, two multiplications that neither
 // overflow nor underflow; an entry whose magnitude is the norm is exactly
 // +-1 (normalized_entry), as torch's division x / norm gives.
@@ -24,7 +24,7 @@
 // - A vector holding NaN normalizes to NaN, and its similarities are NaN.
 // - Gradients: a vector whose norm is at least eps gets the exact gradient; a
 //   vector below eps (zero vectors included) and an infinite one pass no
-//   gradient (norm_grad_factor is 0); a NaN vector's gradient is NaN.
+//   gradient (their grad_factor is 0); a NaN vector's gradient is NaN.
 #pragma once
 
 #include "nanfree/numerics.h"
@@ -76,48 +76,49 @@ NF_HOST_DEVICE bool unscaled_sums_exact(T amax) {
   return amax >= T(0x1p-40) && amax <= T(0x1p40);  // false for NaN
 }
 
-// Whether the vector's norm (sqrt(ssq) / p) is at least eps, for a finite
-// nonzero vector: compared as sqrt(ssq) >= eps * p. When eps * p overflows to
-// +inf the vector is tiny next to eps: false, as it should be.
+// The per-vector factors a kernel needs once it has a vector's scale p and
+// the sum of squares ssq of its scaled entries (one square root and one
+// division per vector):
+// - q, the clamped norm factor: x / max(norm, eps) == scaled_entry(x, p) * q;
+// - divisor, the scaled norm sqrt(ssq) where q is 1 / sqrt(ssq) (a norm of at
+//   least eps, or an infinite vector's limit direction), else 0;
+// - grad_factor: d(x / norm)/dx carries 1 / norm == p * grad_factor; 0 where
+//   the vector passes no gradient.
 template <typename T>
-NF_HOST_DEVICE bool norm_at_least(T p, T ssq, T eps) {
-  return nf_sqrt(ssq) >= eps * p;
-}
+struct NormFactors {
+  T q;
+  T divisor;
+  T grad_factor;
+};
 
-// q with x / max(norm, eps) == scaled_entry(x, p) * q, given the vector's
-// scale p and the sum of squares ssq of its scaled entries.
 template <typename T>
-NF_HOST_DEVICE T clamped_norm_factor(T p, T ssq, T eps) {
-  // A NaN entry: NaN (the comparisons below would be false and hide it).
-  if (nf_isnan(ssq)) return ssq;
-  // A zero vector normalizes to 0 (0 / eps), and 1 / (eps * p) may overflow.
-  if (ssq == T(0)) return T(0);
-  // The limit direction of an infinite vector: its scaled entries are +-1 and 0.
-  if (p == T(0)) return T(1) / nf_sqrt(ssq);
-  if (norm_at_least(p, ssq, eps)) return T(1) / nf_sqrt(ssq);
+NF_HOST_DEVICE NormFactors<T> norm_factors(T p, T ssq, T eps) {
+  // A NaN vector: NaN throughout (the comparisons below would be false and hide it).
+  if (nf_isnan(ssq)) return {ssq, ssq, ssq};
+  // A zero vector normalizes to 0 (0 / eps; 1 / (eps * p) may overflow), has
+  // no norm to divide by and passes no gradient.
+  if (ssq == T(0)) return {T(0), T(0), T(0)};
+  const T root = nf_sqrt(ssq);
+  // An infinite vector's limit direction (scaled entries +-1 and 0) is locally
+  // constant: no gradient.
+  if (p == T(0)) return {T(1) / root, root, T(0)};
+  // The norm (root / p) is at least eps, compared as root >= eps * p; when
+  // eps * p overflows to +inf the vector is tiny next to eps and fails, as it should.
+  if (root >= eps * p) {
+    const T q = T(1) / root;
+    return {q, root, q};
+  }
   // Below eps: x / eps = (x * p) * ((1 / eps) / p); dividing by p (a power of
-  // two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it finite.
-  return (T(1) / eps) / p;
+  // two, at most 2^-min_exponent) rather than multiplying by eps * p keeps it
+  // finite. The vector has no direction to differentiate: gradient 0.
+  return {(T(1) / eps) / p, T(0), T(0)};
 }
 
-// The scaled norm sqrt(ssq) of a vector whose q is 1 / sqrt(ssq) (a norm of
-// at least eps, or an infinite vector's limit direction); 0 for a zero vector
-// and a vector below eps, whose q is 0 and (1 / eps) / p. NaN for a NaN vector.
-template <typename T>
-NF_HOST_DEVICE T norm_divisor(T p, T ssq, T eps) {
-  // A NaN vector: NaN (the comparisons below would be false and hide it).
-  if (nf_isnan(ssq)) return ssq;
-  if (ssq == T(0)) return T(0);  // a zero vector: no norm to divide by
-  if (p == T(0) || norm_at_least(p, ssq, eps)) return nf_sqrt(ssq);
-  return T(0);  // below eps: the clamped q
-}
-
-// A vector's norm_divisor where the vector holds an entry of the norm's
-// magnitude, which normalized_entry makes exactly +-1; else 0. Only a largest
-// entry can, and only if the divisor equals it (the rounded norm is never
-// smaller), so normalized_entry gives the same with this divisor as with
-// norm_divisor, and a kernel may multiply every entry of a row whose unit
-// divisor is 0 by q. `amax` is the vector's largest magnitude (NaN and +inf
+// A vector's divisor (norm_factors) where the vector holds an entry of the
+// norm's magnitude, which normalized_entry makes exactly +-1; else 0. Only a
+// largest entry can, and only if the divisor equals it (the rounded norm is
+// never smaller), so normalized_entry gives the same with either divisor, and
+// a kernel may multiply every entry of a row whose unit divisor is 0 by q. `amax` is the vector's largest magnitude (NaN and +inf
 // as in norm_scale).
 template <typename T>
 NF_HOST_DEVICE T unit_divisor(T divisor, T p, T amax) {
@@ -126,7 +127,7 @@ NF_HOST_DEVICE T unit_divisor(T divisor, T p, T amax) {
 }
 
 // The normalized entry x / max(norm, eps) of a scaled entry s, given its
-// vector's norm_divisor (or unit_divisor) and clamped_norm_factor q: s * q,
+// vector's divisor (or unit_divisor) and its q (norm_factors): s * q,
 // within a rounding of the quotient, except an entry whose magnitude is the
 // (positive) divisor itself, which is exactly +-1 as the quotient is. Such an
 // entry is the vector's only nonzero one, or one beside which the others
@@ -140,20 +141,6 @@ NF_HOST_DEVICE T normalized_entry(T s, T divisor, T q) {
   return s * q;  // NaN for a NaN vector: q is NaN
 }
 
-// The factor of the gradient: d(x / norm)/dx carries 1 / norm == p * q.
-// 0 below eps and for zero and infinite vectors, which pass no gradient; NaN
-// for a NaN vector.
-template <typename T>
-NF_HOST_DEVICE T norm_grad_factor(T p, T ssq, T eps) {
-  // A NaN vector's gradient is NaN.
-  if (nf_isnan(ssq)) return ssq;
-  // Zero and infinite vectors: no gradient (the limit direction is locally constant).
-  if (ssq == T(0) || p == T(0)) return T(0);
-  // Below eps the vector has no direction to differentiate: gradient 0.
-  if (!norm_at_least(p, ssq, eps)) return T(0);
-  return T(1) / nf_sqrt(ssq);
-}
-
 // A cosine similarity clamped to [-1, 1] (rounding can carry a dot product of
 // unit vectors past 1, and acos of that is NaN); NaN stays NaN.
 template <typename T>
@@ -162,7 +149,7 @@ NF_HOST_DEVICE T cosine_clamp(T c) {
 }
 
 // The cosine similarity of two vectors from the dot product of their scaled
-// entries, their norm_divisors and their factors q, clamped. Where both
+// entries, their divisors and their factors q (norm_factors), clamped. Where both
 // divisors are positive: scaled_dot / (divisor1 * divisor2), one rounding
 // fewer than multiplying by q1 and q2, and exactly +-1 for two vectors with
 // one nonzero entry at the same index (the dot product and the divisors'
@@ -176,7 +163,7 @@ NF_HOST_DEVICE T cosine_value(T scaled_dot, T divisor1, T divisor2, T q1, T q2) 
 
 // d normalize: the gradient of y = x / norm for an incoming g, given
 // dot = sum(g * y) over the vector (a GradSum of numerics.h) and grad_factor =
-// norm_grad_factor: (g - y * dot) / norm, with 1 / norm applied as
+// norm_factors' grad_factor: (g - y * dot) / norm, with 1 / norm applied as
 // grad_factor, then p. In that order a grad_factor of 0 gives 0 even where p
 // (up to 2^126 for a vector of subnormals) would overflow the product first
 // and make it inf * 0 = NaN. The caller saturates the result.
