@@ -11,7 +11,9 @@ atan2, div_no_nan against torch's `/`, xlogy, xlog1py) likewise, both inputs
 requiring grad (for a Python exponent, the base only). Then a compiled "safe
 distance" block, ``sqrt(((a - b) ** 2).sum(-1))``, with
 nanfree's sqrt against the same with torch's sqrt and with the double where, each
-under torch.compile (how much a custom op costs the compiled graph's fusion).
+under torch.compile (how much a custom op costs the compiled graph's fusion). And
+out= into a preallocated tensor, forward, against torch's op with out= (eager and
+compiled).
 GB/s counts the minimum bytes: forward reads x and writes y; forward+backward also
 reads x and the upstream gradient and writes x's gradient (binary ops: both inputs
 read, both gradients written). Ratios are baseline
@@ -25,8 +27,9 @@ benchmarks/results/<machine>/elementwise.{csv,png,md}.
 The default run: sqrt and log at 4M and 64M elements (64M: 256 MB of float32, past
 the last-level cache of most CPUs, not of one with a 480 MiB L3) in float32 and bfloat16, the other unary ops at 4M float32,
 pow with a tensor exponent and xlogy also at 4M bfloat16, every binary op at 4M
-float32, and the safe-distance block; --full: every binary op at both sizes in
-float32 and bfloat16.
+float32, out= into a preallocated tensor (log1p at 4M and 64M float32, xlogy at 64M
+float32 and bfloat16), and the safe-distance block; --full: every binary op at both
+sizes in float32 and bfloat16, and out= of sqrt, log1p and xlogy at both sizes in both.
 """
 
 import functools
@@ -167,6 +170,43 @@ def bench_binary(bench):
         del a, b
 
 
+def _count(n):
+    return f"{n // M}M" if n >= M else f"{n >> 10}K"
+
+
+def out_sweep(bench):
+    if bench.mode == "quick":
+        return [(op, "float32", 1 << 16) for op in ("log1p", "xlogy")]
+    if bench.mode == "full":
+        return [(op, dt, n) for op in ("sqrt", "log1p", "xlogy") for dt in ("float32", "bfloat16")
+                for n in (4 * M, 64 * M)]
+    return [("log1p", "float32", 4 * M), ("log1p", "float32", 64 * M), ("xlogy", "float32", 64 * M),
+            ("xlogy", "bfloat16", 64 * M)]
+
+
+def bench_out(bench):
+    """out= into a preallocated tensor, forward: nanfree's <op>_out writes into it."""
+    bench.section("out= into a preallocated tensor, forward (times in ms; torch: the same op with "
+                  "out=, compile: that call compiled)", f"{'op':<7}{'dtype':<10}{'elements':>10}  "
+                  f"{'direction':<18}")
+    for op, dtype, n in out_sweep(bench):
+        bench.compiler.reset()
+        if op in OPS:
+            inputs = (sample(op, n, dtype, bench.device),)
+            ours, theirs = getattr(nf, op), getattr(torch, op)
+        else:
+            inputs = binary_sample(op, n, dtype, bench.device)
+            ours, theirs = getattr(nf, op), TORCH_BINARY[op]
+        out = torch.empty_like(inputs[0])
+        fns = {"nanfree": lambda *ins: ours(*ins, out=out), "torch": lambda *ins: theirs(*ins, out=out),
+               "compile": bench.compiler(lambda *ins: theirs(*ins, out=out))}
+        size = out.numel() * out.element_size()
+        bench.compare(dict(section="out", op=op, dtype=dtype, elements=n, mbytes=size / bc.MB),
+                      f"{op:<7}{dtype:<10}{n:>10}  {'forward':<18}", fns, inputs, "forward",
+                      (len(inputs) + 1) * size)
+        del inputs, out
+
+
 def bench_distance(bench):
     """sqrt(((a - b) ** 2).sum(-1)) compiled, with each sqrt: the custom op's cost to fusion."""
     rows, dim = (1024, 16) if bench.mode == "quick" else (1 << 18, 64)
@@ -218,6 +258,10 @@ def summary(bench):
         lines.append(target("GPU >= 90% of copy bandwidth at 64M elements",
                             [r for r in records if r["elements"] >= 64 * M], key="copy_fraction",
                             at_least=0.9))
+    outs = bc.select(bench.records, section="out")
+    if outs:
+        lines.append("out= (torch time / nanfree time, both with out=): " + "; ".join(
+            f"{r['op']} {r['dtype']} {_count(r['elements'])} {r['ratio']:.2f}x" for r in outs))
     distance = bc.select(bench.records, section="distance")
     if distance:
         lines.append("Compiled safe distance (ms): " + "; ".join(
@@ -248,6 +292,7 @@ def main(argv=None):
     bench.note(f"nanfree backend: {info.get(torch.device(bench.device).type, 'not reported')}")
     bench_ops(bench)
     bench_binary(bench)
+    bench_out(bench)
     bench_distance(bench)
     bench.finish(summary(bench), plot(bench))
 

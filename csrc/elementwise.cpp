@@ -5,14 +5,16 @@
 // elementwise_math.h. That backward op is itself differentiable (DESIGN.md
 // rule 6, gradient penalties): in `grad` its derivative is the same op, in
 // `input` it is <op>_backward(gg * grad, input, 2), the second derivative
-// under the same rules. A third derivative is refused clearly. Also the ops'
-// fast Python entry points (nanfree._C.<op>).
+// under the same rules. A third derivative is refused clearly. Also the
+// autograd of every <op>_out, unary and binary (none), and the ops' fast
+// Python entry points (nanfree._C.<op>).
 #include <pybind11/pybind11.h>
 #include <torch/autograd.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #include "common/autograd.h"
 #include "common/elementwise_op.h"
@@ -128,9 +130,44 @@ struct UnaryAutograd {
   }
 };
 
+// The Autograd kernel of an op that writes into its `Tensor(a!)` arguments and
+// returns nothing (<op>_out): not differentiable, as torch's out= forms are
+// not, so an argument that requires grad is refused with torch's words while
+// grad mode is on; after the write each written tensor's version counter is
+// bumped, as torch's out= forms bump it, so autograd refuses a graph that saved
+// the tensor before. (ATen's fallbacks bump only returned tensors.)
+void write_without_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                            torch::jit::Stack* stack) {
+  const std::string& full_name = op.schema().name();
+  const std::string name = full_name.substr(full_name.find("::") + 2);  // nanfree::<op>_out
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const at::Tensor& t = value.toTensor();
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.defined() && t.requires_grad()), "nanfree.", name,
+                ": functions with out=... arguments don't support automatic "
+                "differentiation, but one of the arguments requires grad");
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) written.push_back(t);
+  }
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, Autograd, m) { register_unary_kernels<UnaryAutograd>(m); }
+TORCH_LIBRARY_IMPL(nanfree, Autograd, m) {
+  register_unary_kernels<UnaryAutograd>(m);
+  for_each_out_op([&](const std::string& name) {
+    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&write_without_autograd>());
+  });
+}
 
 void bind_elementwise(pybind11::module_& m) {
   const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();

@@ -98,8 +98,12 @@ TORCH_LIBRARY(nanfree, m) {
   // grad * the order-th derivative at `input` (order 1 or 2; `grad` of the
   // input's shape and floating dtype), saturated to the dtype's range; it is
   // differentiable once (order 1 through order 2), as double backward needs.
+  // <op>_out writes <op>(input) into `out`, which has the output's shape, dtype
+  // and device (nanfree.ops resizes it and takes other dtypes by a copy); it is
+  // not differentiable, as torch's out= forms are not.
   for (const char* op : {"sqrt", "log", "log1p", "acos", "asin"}) {
     m.def((std::string(op) + "(Tensor input) -> Tensor").c_str());
+    m.def((std::string(op) + "_out(Tensor input, Tensor(a!) out) -> ()").c_str());
     m.def((std::string(op) + "_backward(Tensor grad, Tensor input, int order=1) -> Tensor").c_str());
   }
 
@@ -116,9 +120,10 @@ TORCH_LIBRARY(nanfree, m) {
   // once (order 1 through order 2), as double backward needs. <op>_gradients
   // gives both first-order ones, (grad * d/d input, grad * d/d other), in one
   // pass (the backward when both inputs need a gradient and no graph is
-  // recorded); it refuses to be differentiated.
+  // recorded); it refuses to be differentiated. <op>_out as the unary ops'.
   for (const char* op : {"pow", "atan2", "div_no_nan", "xlogy", "xlog1py"}) {
     m.def((std::string(op) + "(Tensor input, Tensor other) -> Tensor").c_str());
+    m.def((std::string(op) + "_out(Tensor input, Tensor other, Tensor(a!) out) -> ()").c_str());
     m.def((std::string(op) +
            "_backward(Tensor grad, Tensor input, Tensor other, int order=1, int partial=0) -> Tensor")
               .c_str());

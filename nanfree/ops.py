@@ -21,6 +21,7 @@ import torch
 from . import _backends  # noqa: F401  (loads the kernels and registrations)
 from . import _C
 from ._ops import cosine as _cosine
+from ._ops import elementwise as _elementwise
 from ._ops import gem as _gem
 from ._ops import losses as _losses
 from ._ops import mnr as _mnr
@@ -211,22 +212,42 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     return _into_out("normalize", out, result)
 
 
-def _into_out(op, out, result):
-    """result written into `out` as torch's out= does: a non-empty `out` of another
-    shape is resized with torch's warning (an empty one silently); a dtype the
-    result cannot be cast to is refused."""
-    if not torch.can_cast(result.dtype, out.dtype):
+def _can_cast(source, target):
+    """torch.can_cast(source, target) in Python, which torch.compile traces
+    (torch.can_cast breaks the graph): no cast to a lower category of bool,
+    integer, floating, complex."""
+    def category(dtype):
+        if dtype == torch.bool:
+            return 0
+        return 3 if dtype.is_complex else 2 if dtype.is_floating_point else 1
+
+    return category(source) <= category(target)
+
+
+def _prepare_out(op, out, shape, dtype, ref, stacklevel=3):
+    """`out` made ready for a result of `shape` and `dtype` on ref's device, as
+    torch's out= does: a non-empty `out` of another shape is resized with torch's
+    warning (an empty one silently); a dtype the result cannot be cast to is
+    refused. Returns whether `out` has the result's dtype (an op's <op>_out can
+    then write into it)."""
+    if not _can_cast(dtype, out.dtype):
         raise TypeError(f"nanfree.{op}: `out` is {out.dtype}, which the result's "
-                        f"{result.dtype} cannot be cast to")
-    check_device(op, "out", result, out)
-    if out.shape != result.shape:
+                        f"{dtype} cannot be cast to")
+    check_device(op, "out", ref, out)
+    if list(out.shape) != list(shape):
         if out.numel() != 0:
             warnings.warn(f"nanfree.{op}: an output with one or more elements was resized since "
                           f"it had shape {list(out.shape)}, which does not match the required "
-                          f"output shape {list(result.shape)}. As torch, resize `out` to 0 "
+                          f"output shape {list(shape)}. As torch, resize `out` to 0 "
                           "elements first (out.resize_(0)) to silence this.", UserWarning,
-                          stacklevel=3)
-        out.resize_(result.shape)
+                          stacklevel=stacklevel + 1)
+        out.resize_(shape)
+    return out.dtype == dtype
+
+
+def _into_out(op, out, result):
+    """result written into `out` as torch's out= does (_prepare_out)."""
+    _prepare_out(op, out, result.shape, result.dtype, result, stacklevel=4)
     return out.copy_(result)
 
 
@@ -366,7 +387,9 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
 def _unary(op, input, out):
     """torch.<op>(input, out=out) through nanfree's op of that name: its C++ entry
     point (nanfree._C.<op>, about a microsecond less than torch.ops), or torch.ops
-    while torch.compile traces and for out=."""
+    while torch.compile traces; out= through <op>_out, which writes into `out`
+    (computed and copied while torch.compile traces, or for an `out` of another
+    dtype)."""
     fast = out is None and not _is_compiling()
     if not fast:
         check_tensors(op, input=input)
@@ -376,6 +399,10 @@ def _unary(op, input, out):
                 raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't "
                                    f"support automatic differentiation, but one of the "
                                    f"arguments requires grad (as torch.{op})")
+            if not _is_compiling():
+                if _prepare_out(op, out, input.shape, _elementwise.unary_dtype(op, input), input):
+                    getattr(torch.ops.nanfree, f"{op}_out")(input, out)
+                    return out
     try:
         result = getattr(_C if fast else torch.ops.nanfree, op)(input)
     except TypeError:  # the entry point's words for a non-tensor: name the argument
@@ -514,6 +541,14 @@ def _binary(op, input, other, out, other_name="other"):
         other = _binary_operand(op, other_name, other, input)
     else:
         input = _binary_operand(op, "input", input, other)
+    if out is not None and not _is_compiling():
+        dtype = _elementwise.binary_dtype(op, input, other)
+        shape = _elementwise.binary_shape(op, input.shape, other.shape)
+        # The result's device: a 0-d CPU tensor joins the other operand's.
+        joins = input.dim() == 0 and input.device.type == "cpu" and other.device != input.device
+        if _prepare_out(op, out, shape, dtype, other if joins else input):
+            getattr(torch.ops.nanfree, f"{op}_out")(input, other, out)
+            return out
     try:
         result = getattr(torch.ops.nanfree, op)(input, other)
     except RuntimeError:

@@ -1,7 +1,10 @@
-"""The drop-in check shared by the families' tests: a nanfree function and the
-torch expression it replaces give the same output and gradients."""
+"""The drop-in checks shared by the families' tests: a nanfree function and the
+torch expression it replaces give the same output and gradients, and write
+into `out=` as torch does."""
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def match_torch(nf_fn, torch_fn, bases, incoming, view=lambda *ts: ts, **tol):
@@ -20,3 +23,52 @@ def match_torch(nf_fn, torch_fn, bases, incoming, view=lambda *ts: ts, **tol):
     for n_g, t_g in zip(n_grads, t_grads):
         assert n_g.dtype == t_g.dtype and n_g.shape == t_g.shape
         torch.testing.assert_close(n_g, t_g, **tol)
+
+
+def out_matches_torch(nf_fn, torch_fn, args):
+    """nf_fn(*args, out=o) writes nf_fn(*args) (torch_fn's result within the
+    dtype's tolerance) into o itself (its storage and strides kept, its version
+    counter bumped), for an `out` of the result's dtype and a wider one,
+    contiguous and strided; an `out` whose elements share memory is refused as
+    torch refuses it."""
+    expected = nf_fn(*args)
+    torch.testing.assert_close(expected, torch_fn(*args), equal_nan=True)
+    shape, dtype, device = expected.shape, expected.dtype, expected.device
+
+    def contiguous(dt):
+        return torch.empty(shape, dtype=dt, device=device)
+
+    def strided(dt):  # every other element of a wider buffer, dims reversed
+        wide = torch.empty(tuple(reversed(shape))[:-1] + (2 * shape[0],), dtype=dt, device=device)
+        return wide[..., ::2].permute(*reversed(range(len(shape))))
+
+    for make in (contiguous, strided):
+        for dt in (dtype, torch.float64):
+            out = make(dt)
+            ptr, stride, version = out.data_ptr(), out.stride(), out._version
+            assert nf_fn(*args, out=out) is out
+            assert out.data_ptr() == ptr and out.stride() == stride and out._version > version
+            torch.testing.assert_close(out, expected.to(dt), rtol=0, atol=0, equal_nan=True)
+    shared = torch.empty(1, dtype=dtype, device=device).expand(shape)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch_fn(*args, out=shared)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        nf_fn(*args, out=shared)
+
+
+class _TopLevelOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def top_level_ops(fn, *args, **kwargs):
+    """The names of the ops fn(*args, **kwargs) dispatches (not those its ops'
+    kernels call), e.g. ["nanfree.sqrt_out.default"]."""
+    with _TopLevelOps() as mode:
+        fn(*args, **kwargs)
+    return mode.names

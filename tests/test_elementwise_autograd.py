@@ -8,6 +8,7 @@ behaviour in layouts, dtypes, out= and autocast."""
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
+from drop_in_checks import out_matches_torch, top_level_ops
 from torch.library import opcheck
 
 import nanfree.ops as nf
@@ -142,6 +143,67 @@ def test_out_as_torch(device, op):
         getattr(nf, op)(x, out=torch.empty(5, dtype=torch.int64, device=device))
     with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
         getattr(nf, op)(x.clone().requires_grad_(True), out=out)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_is_written_in_place_as_torch(device, op, dtype):
+    """out= writes into `out` (nanfree::<op>_out), strided or wider outs
+    included; out=input computes in place; an `out` that overlaps the input
+    partly gets the op of the input as it was (torch refuses it); an integer
+    input writes its promoted result."""
+    x = _interior(op, (4, 5), device).detach().to(dtype)
+    out_matches_torch(getattr(nf, op), getattr(torch, op), (x,))
+    assert top_level_ops(getattr(nf, op), x, out=torch.empty_like(x)) == [f"nanfree.{op}_out.default"]
+    expected = getattr(nf, op)(x)
+    inplace = x.clone()
+    assert getattr(nf, op)(inplace, out=inplace) is inplace
+    torch.testing.assert_close(inplace, expected, rtol=0, atol=0)
+    buffer = torch.cat([x.flatten(), x.flatten()[:1]])
+    getattr(nf, op)(buffer[:-1], out=buffer[1:])
+    torch.testing.assert_close(buffer[1:], expected.flatten(), rtol=0, atol=0)
+    ints = torch.tensor([0, 1, 2], device=device)
+    out = torch.empty(3, device=device)
+    getattr(nf, op)(ints, out=out)
+    torch.testing.assert_close(out, getattr(nf, op)(ints), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_out(device, op, dtype):
+    x = _interior(op, (3, 5), device).detach().to(dtype)
+    opcheck(getattr(torch.ops.nanfree, f"{op}_out"), (x, torch.empty_like(x)))
+    opcheck(getattr(torch.ops.nanfree, f"{op}_out"), (x, torch.empty_like(x.T).T))
+
+
+def test_out_op_refuses_a_graph_and_bumps_the_version(device):
+    """nanfree::<op>_out, called directly: an argument requiring grad is refused
+    as torch's out= forms refuse it; a tensor a graph saved and <op>_out
+    overwrote makes that graph's backward fail, as after torch's out= forms."""
+    x = _interior("sqrt", (4,), device)
+    with pytest.raises(RuntimeError, match="sqrt_out: functions with out=.*requires grad"):
+        torch.ops.nanfree.sqrt_out(x, torch.empty(4, device=device))
+    saved = (x * 2).exp()  # exp saves its output
+    with torch.no_grad():
+        torch.ops.nanfree.sqrt_out(x, saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+@pytest.mark.parametrize("op", OPS if not INTERPRETED else ("sqrt",))
+def test_compile_fullgraph_out(device, op):
+    fn = getattr(nf, op)
+
+    def step(x, out):
+        fn(x, out=out)
+        return out * 2
+
+    torch._dynamo.reset()  # one compile cache per op (the step's code object is shared)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x = _interior(op, (8,), device).detach()
+    out, ref = torch.empty_like(x), torch.empty_like(x)
+    torch.testing.assert_close(compiled(x, out), step(x, ref))
+    torch.testing.assert_close(out, ref)
 
 
 @pytest.mark.parametrize("op", OPS)

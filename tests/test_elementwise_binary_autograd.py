@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
+from drop_in_checks import out_matches_torch, top_level_ops
 from torch.library import opcheck
 
 import nanfree.ops as nf
@@ -180,6 +181,58 @@ def test_out_as_torch(device, op):
         getattr(nf, op)(a, b, out=torch.empty(5, dtype=torch.int64, device=device))
     with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
         getattr(nf, op)(a.clone().requires_grad_(True), b, out=out)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_is_written_in_place_as_torch(device, op, dtype):
+    """out= writes into `out` (nanfree::<op>_out), strided or wider outs
+    included, broadcast operands and a Python number too; out=input computes
+    in place; an `out` that overlaps an operand partly gets the op of the
+    operands as they were (torch refuses it)."""
+    a, b = _interior(op, (4, 5), (5,), device)
+    a, b = a.detach().to(dtype), b.detach().to(dtype)
+    fn = getattr(nf, op)
+    out_matches_torch(fn, TORCH[op], (a, b))
+    assert top_level_ops(fn, a, b, out=torch.empty_like(a)) == [f"nanfree.{op}_out.default"]
+
+    def torch_with_number(a, number, out=None):  # torch.atan2 takes no number: a 0-d tensor
+        return TORCH[op](a, torch.scalar_tensor(number, dtype=a.dtype, device=a.device), out=out)
+
+    out_matches_torch(fn, torch_with_number, (a, 2.0))
+    expected = fn(a, b)
+    inplace = a.clone()
+    assert fn(inplace, b, out=inplace) is inplace
+    torch.testing.assert_close(inplace, expected, rtol=0, atol=0)
+    buffer = torch.cat([a.flatten(), a.flatten()[:1]])
+    fn(buffer[:-1].view(4, 5), b, out=buffer[1:].view(4, 5))
+    torch.testing.assert_close(buffer[1:], expected.flatten(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_out(device, op, dtype):
+    a, b = _interior(op, (3, 5), (5,), device)
+    a, b = a.detach().to(dtype), b.detach().to(dtype)
+    opcheck(getattr(torch.ops.nanfree, f"{op}_out"), (a, b, torch.empty_like(a)))
+    opcheck(getattr(torch.ops.nanfree, f"{op}_out"), (a, b, torch.empty_like(a.T).T))
+
+
+@pytest.mark.parametrize("op", OPS if not INTERPRETED else ("pow",))
+def test_compile_fullgraph_out(device, op):
+    fn = getattr(nf, op)
+
+    def step(a, b, out):
+        fn(a, b, out=out)
+        return out * 2
+
+    torch._dynamo.reset()  # one compile cache per op (the step's code object is shared)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    a, b = _interior(op, (8,), (8,), device)
+    a, b = a.detach(), b.detach()
+    out, ref = torch.empty_like(a), torch.empty_like(a)
+    torch.testing.assert_close(compiled(a, b, out), step(a, b, ref))
+    torch.testing.assert_close(out, ref)
 
 
 def test_integer_pow_is_torch_pow(device):

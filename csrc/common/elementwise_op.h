@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -58,6 +59,41 @@ inline void check_unary_backward(UnaryOp op, const at::Tensor& grad, const at::T
                     " and dtype ", input.scalar_type(), ", got ", grad.sizes(), " ",
                     grad.scalar_type());
   check_same_device(name.c_str(), "grad", input, grad);
+}
+
+// <op>_out's `out`: the output's shape and dtype, on ref's device (nanfree.ops
+// resizes `out` and takes other dtypes by a copy before calling <op>_out).
+inline void check_out(const char* op, const at::Tensor& out, at::IntArrayRef shape,
+                      at::ScalarType dtype, const at::Tensor& ref) {
+  const std::string name = std::string(op) + "_out";
+  TORCH_CHECK_VALUE(out.sizes() == shape && out.scalar_type() == dtype, "nanfree.", name,
+                    ": `out` must have the output's shape ", shape, " and dtype ", dtype,
+                    ", got ", out.sizes(), " ", out.scalar_type());
+  check_same_device(name.c_str(), "out", ref, out);
+}
+
+// Whether `out` shares memory with the operand t other than element for
+// element (a partial overlap, or one ATen cannot rule out): <op>_out then
+// computes first and copies, so every backend writes the op of the operand as
+// it was (torch's out= refuses a partial overlap; the Python backends always
+// compute first).
+inline bool overlaps_partly(const at::Tensor& out, const at::Tensor& t) {
+  const at::MemOverlapStatus status = at::get_overlap_status(out, t);
+  return status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::TooHard;
+}
+
+// Registers Kernels<op>::forward_out as <op>_out for every unary op (the
+// compiled backends, which write into `out`; Python backends compute and copy).
+template <template <UnaryOp> class Kernels, int... index>
+void register_unary_out_kernels(torch::Library& m, std::integer_sequence<int, index...>) {
+  (m.impl((std::string(unary_op_name(static_cast<UnaryOp>(index))) + "_out").c_str(),
+          &Kernels<static_cast<UnaryOp>(index)>::forward_out),
+   ...);
+}
+
+template <template <UnaryOp> class Kernels>
+void register_unary_out_kernels(torch::Library& m) {
+  register_unary_out_kernels<Kernels>(m, std::make_integer_sequence<int, kUnaryOpCount>{});
 }
 
 // Registers Kernels<op>::forward as <op> and Kernels<op>::backward as
@@ -216,6 +252,26 @@ void register_binary_kernels(torch::Library& m, std::integer_sequence<int, index
 template <template <BinaryOp> class Kernels>
 void register_binary_kernels(torch::Library& m) {
   register_binary_kernels<Kernels>(m, std::make_integer_sequence<int, kBinaryOpCount>{});
+}
+
+// f(name) for the name of every <op>_out, unary and binary.
+template <typename F>
+void for_each_out_op(F&& f) {
+  for (const char* op : kUnaryOpNames) f(std::string(op) + "_out");
+  for (const char* op : kBinaryOpNames) f(std::string(op) + "_out");
+}
+
+// Registers Kernels<op>::forward_out as <op>_out for every binary op.
+template <template <BinaryOp> class Kernels, int... index>
+void register_binary_out_kernels(torch::Library& m, std::integer_sequence<int, index...>) {
+  (m.impl((std::string(binary_op_name(static_cast<BinaryOp>(index))) + "_out").c_str(),
+          &Kernels<static_cast<BinaryOp>(index)>::forward_out),
+   ...);
+}
+
+template <template <BinaryOp> class Kernels>
+void register_binary_out_kernels(torch::Library& m) {
+  register_binary_out_kernels<Kernels>(m, std::make_integer_sequence<int, kBinaryOpCount>{});
 }
 
 }  // namespace nanfree

@@ -1,11 +1,11 @@
-// CPU kernels of the elementwise family: the unary ops <op> and
-// <op>_backward of csrc/registration.cpp, one TensorIterator loop per op and
+// CPU kernels of the elementwise family: the unary ops <op>, <op>_backward
+// and <op>_out of csrc/registration.cpp, one TensorIterator loop per op and
 // order that applies nanfree/elementwise_math.h to each element. Contiguous
 // runs go through the header's functions instantiated with ATen's vectors
 // (float16 and bfloat16 widened to float), other runs element by element with
 // the scalar instantiation. TensorIterator gives the output torch's layout
-// (the input's strides when dense, channels-last kept) and splits the work
-// over threads.
+// (the input's strides when dense, channels-last kept; <op>_out writes in
+// `out`'s) and splits the work over threads.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/TensorIterator.h>
@@ -198,6 +198,19 @@ struct CpuUnaryKernels {
     return iter.output();
   }
 
+  // Into `out`, of any strides (the iterator refuses one that overlaps itself,
+  // as torch's out= does); computed first where it overlaps the input partly.
+  static void forward_out(const at::Tensor& input, const at::Tensor& out) {
+    const at::Tensor x = unary_operand(op, input);
+    check_out(unary_op_name(op), out, x.sizes(), x.scalar_type(), x);
+    if (overlaps_partly(out, x)) {
+      out.copy_(forward(input));
+      return;
+    }
+    at::TensorIterator iter = at::TensorIteratorConfig().add_output(out).add_const_input(x).build();
+    run_unary<op, 0>(iter);
+  }
+
   static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input, int64_t order) {
     check_unary_backward(op, grad, input, order);
     const at::Tensor undefined_output;
@@ -217,6 +230,9 @@ struct CpuUnaryKernels {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CPU, m) { register_unary_kernels<CpuUnaryKernels>(m); }
+TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
+  register_unary_kernels<CpuUnaryKernels>(m);
+  register_unary_out_kernels<CpuUnaryKernels>(m);
+}
 
 }  // namespace nanfree

@@ -1,6 +1,6 @@
 // CPU kernels of the elementwise family's binary ops: <op>(input, other),
-// <op>_backward(grad, input, other, order, partial) and <op>_gradients(grad,
-// input, other) of csrc/registration.cpp, one TensorIterator loop per op,
+// <op>_backward(grad, input, other, order, partial), <op>_gradients(grad,
+// input, other) and <op>_out(input, other, out) of csrc/registration.cpp, one TensorIterator loop per op,
 // order and partial (both partials for <op>_gradients, two outputs) that applies
 // nanfree/elementwise_binary_math.h to each element. TensorIterator
 // broadcasts the operands, gives the output torch's layout and splits the work
@@ -222,6 +222,20 @@ struct CpuBinaryKernels {
     return iter.output();
   }
 
+  // Into `out`, of any strides (the iterator refuses one that overlaps itself,
+  // as torch's out= does); computed first where it overlaps an operand partly.
+  static void forward_out(const at::Tensor& input, const at::Tensor& other, const at::Tensor& out) {
+    const auto [a, b] = binary_operands(op, input, other);
+    check_out(binary_op_name(op), out, binary_shape(op, a.sizes(), b.sizes()), a.scalar_type(), a);
+    if (overlaps_partly(out, a) || overlaps_partly(out, b)) {
+      out.copy_(forward(input, other));
+      return;
+    }
+    at::TensorIterator iter =
+        at::TensorIteratorConfig().add_output(out).add_const_input(a).add_const_input(b).build();
+    run_binary<op>(iter, 0, 0, known_exponent<op>(b));
+  }
+
   static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input,
                              const at::Tensor& other, int64_t order, int64_t partial) {
     check_binary_backward(op, grad, input, other, order, partial);
@@ -254,6 +268,9 @@ struct CpuBinaryKernels {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nanfree, CPU, m) { register_binary_kernels<CpuBinaryKernels>(m); }
+TORCH_LIBRARY_IMPL(nanfree, CPU, m) {
+  register_binary_kernels<CpuBinaryKernels>(m);
+  register_binary_out_kernels<CpuBinaryKernels>(m);
+}
 
 }  // namespace nanfree

@@ -1,5 +1,5 @@
-// CUDA registration of the elementwise family (the unary ops <op> and
-// <op>_backward of registration.cpp). The checks and dtypes are shared with
+// CUDA registration of the elementwise family (the unary ops <op>,
+// <op>_backward and <op>_out of registration.cpp). The checks and dtypes are shared with
 // the CPU binding (csrc/common/elementwise_op.h); the kernels live in the
 // torch-free elementwise_kernels.cu behind elementwise_kernels.h, which read
 // flat arrays: dense tensors of one layout are passed as they are (the output
@@ -47,6 +47,23 @@ struct CudaUnaryKernels {
     return out;
   }
 
+  // Into `out` when it is dense in the (dense) input's layout, the kernel's
+  // flat order; else (or where it overlaps the input partly) computed, then
+  // copied. An `out` that overlaps itself is refused, as torch's out= does.
+  static void forward_out(const at::Tensor& input, const at::Tensor& out) {
+    const c10::OptionalDeviceGuard device_guard(input.device());
+    at::Tensor x = unary_operand(op, input);
+    check_out(unary_op_name(op), out, x.sizes(), x.scalar_type(), x);
+    at::assert_no_internal_overlap(out);
+    if (!x.is_non_overlapping_and_dense()) x = x.contiguous();
+    if (!same_dense_layout(out, x) || overlaps_partly(out, x)) {
+      out.copy_(forward(input));
+      return;
+    }
+    at::Tensor written = out;
+    run_unary<op, 0>(at::Tensor(), x, written);
+  }
+
   static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input, int64_t order) {
     const c10::OptionalDeviceGuard device_guard(input.device());
     check_unary_backward(op, grad, input, order);
@@ -69,6 +86,7 @@ struct CudaUnaryKernels {
 
 TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   register_unary_kernels<CudaUnaryKernels>(m);
+  register_unary_out_kernels<CudaUnaryKernels>(m);
 }
 
 }  // namespace nanfree

@@ -1,5 +1,5 @@
-// CUDA registration of the elementwise family's binary ops (<op> and
-// <op>_backward of registration.cpp). The checks, dtypes and broadcast shape
+// CUDA registration of the elementwise family's binary ops (<op>,
+// <op>_backward, <op>_gradients and <op>_out of registration.cpp). The checks, dtypes and broadcast shape
 // are shared with the CPU binding (csrc/common/elementwise_op.h); the kernels
 // live in the torch-free elementwise_binary_kernels.cu, which reads flat
 // arrays. The output takes torch's layout for the operands (TensorIterator's,
@@ -77,6 +77,22 @@ struct CudaBinaryKernels {
     return out;
   }
 
+  // Into `out` when it is dense (the operands are read in its layout); else
+  // (or where it overlaps an operand partly) computed, then copied. An `out`
+  // that overlaps itself is refused, as torch's out= does.
+  static void forward_out(const at::Tensor& input, const at::Tensor& other, const at::Tensor& out) {
+    const auto [a, b] = binary_operands(op, input, other);
+    const c10::OptionalDeviceGuard device_guard(a.device());
+    check_out(binary_op_name(op), out, binary_shape(op, a.sizes(), b.sizes()), a.scalar_type(), a);
+    at::assert_no_internal_overlap(out);
+    if (!out.is_non_overlapping_and_dense() || overlaps_partly(out, a) || overlaps_partly(out, b)) {
+      out.copy_(forward(input, other));
+      return;
+    }
+    at::Tensor written = out;
+    run_binary<op>(0, 0, at::Tensor(), a, b, written);
+  }
+
   static at::Tensor backward(const at::Tensor& grad, const at::Tensor& input,
                              const at::Tensor& other, int64_t order, int64_t partial) {
     const c10::OptionalDeviceGuard device_guard(input.device());
@@ -114,6 +130,7 @@ struct CudaBinaryKernels {
 
 TORCH_LIBRARY_IMPL(nanfree, NANFREE_CUDA_DISPATCH_KEY, m) {
   register_binary_kernels<CudaBinaryKernels>(m);
+  register_binary_out_kernels<CudaBinaryKernels>(m);
 }
 
 }  // namespace nanfree

@@ -1,6 +1,6 @@
 """The elementwise family's Python side (the unary ops sqrt, log, log1p, acos,
 asin, the binary ops pow, atan2, div_no_nan, xlogy, xlog1py, and their
-<op>_backward): the op-level argument checks and output of the
+<op>_backward and <op>_out): the op-level argument checks and output of the
 Python backends (Triton, pure PyTorch) and the fake kernels, with the same
 errors, words and exception types as csrc/common/elementwise_op.h. The
 schemas are in csrc/registration.cpp, the autograd (shared by every backend)
@@ -20,18 +20,32 @@ BINARY_OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
 FORWARD_OPS = UNARY_OPS + BINARY_OPS
 BACKWARD_OPS = (tuple(f"{op}_backward" for op in FORWARD_OPS) +
                 tuple(f"{op}_gradients" for op in BINARY_OPS))
-OPS = FORWARD_OPS + BACKWARD_OPS
+OUT_OPS = tuple(f"{op}_out" for op in FORWARD_OPS)
+OPS = FORWARD_OPS + BACKWARD_OPS + OUT_OPS
 
 
-def unary_operand(op, input):
-    """The floating tensor the op computes on: integer and bool inputs promote to
+def unary_dtype(op, input):
+    """The floating dtype the op computes in: integer and bool inputs promote to
     the default float dtype, as torch's; complex is refused (TypeError)."""
     if input.dtype.is_complex:
         raise TypeError(f"nanfree.{op}: complex `input` is not supported (got {input.dtype}); "
                         f"nanfree's elementwise ops are real-valued")
-    if input.dtype.is_floating_point:
-        return input
-    return input.to(torch.get_default_dtype())
+    return input.dtype if input.dtype.is_floating_point else torch.get_default_dtype()
+
+
+def unary_operand(op, input):
+    """The floating tensor the op computes on (unary_dtype)."""
+    return input.to(unary_dtype(op, input))
+
+
+def check_out(op, out, shape, dtype, ref):
+    """<op>_out's `out`: the output's shape and dtype, on ref's device (nanfree.ops
+    resizes `out` and takes other dtypes by a copy before calling <op>_out)."""
+    name = f"{op}_out"
+    if list(out.shape) != list(shape) or out.dtype != dtype:
+        raise ValueError(f"nanfree.{name}: `out` must have the output's shape {list(shape)} and "
+                         f"dtype {dtype}, got {list(out.shape)} {out.dtype}")
+    check_device(name, "out", ref, out)
 
 
 def check_unary_backward(op, grad, input, order):
@@ -151,9 +165,10 @@ def unary_output(x):
 
 
 def unary_kernels(forward, backward):
-    """{op name: kernel} of a Python backend for every unary op and its backward op,
-    from the backend's forward(op, input) and backward(op, grad, input, order): the
-    functions named as the ops that nanfree/_backends.py registers."""
+    """{op name: kernel} of a Python backend for every unary op, its backward op
+    and its out op, from the backend's forward(op, input) and backward(op, grad,
+    input, order): the functions named as the ops that nanfree/_backends.py
+    registers. The out op computes, then copies into `out`."""
     kernels = {}
     for op in UNARY_OPS:
         def kernel(input, op=op):
@@ -162,8 +177,15 @@ def unary_kernels(forward, backward):
         def backward_kernel(grad, input, order=1, op=op):
             return backward(op, grad, input, order)
 
+        def out_kernel(input, out, op=op):
+            x = unary_operand(op, input)
+            check_out(op, out, x.shape, x.dtype, x)
+            out.copy_(forward(op, input))
+
         kernel.__name__, backward_kernel.__name__ = op, f"{op}_backward"
+        out_kernel.__name__ = f"{op}_out"
         kernels[op], kernels[f"{op}_backward"] = kernel, backward_kernel
+        kernels[f"{op}_out"] = out_kernel
     return kernels
 
 
@@ -182,10 +204,15 @@ def binary_kernels(forward, backward, gradients):
         def gradients_kernel(grad, input, other, op=op):
             return gradients(op, grad, input, other)
 
+        def out_kernel(input, other, out, op=op):
+            a, b = binary_operands(op, input, other)
+            check_out(op, out, binary_shape(op, a.shape, b.shape), a.dtype, a)
+            out.copy_(forward(op, input, other))
+
         kernel.__name__, backward_kernel.__name__ = op, f"{op}_backward"
-        gradients_kernel.__name__ = f"{op}_gradients"
+        gradients_kernel.__name__, out_kernel.__name__ = f"{op}_gradients", f"{op}_out"
         kernels[op], kernels[f"{op}_backward"] = kernel, backward_kernel
-        kernels[f"{op}_gradients"] = gradients_kernel
+        kernels[f"{op}_gradients"], kernels[f"{op}_out"] = gradients_kernel, out_kernel
     return kernels
 
 
@@ -222,6 +249,22 @@ def _fake_binary_backward(op):
     return fake
 
 
+def _fake_unary_out(op):
+    def fake(input, out):
+        x = unary_operand(op, input)
+        check_out(op, out, x.shape, x.dtype, x)
+
+    return fake
+
+
+def _fake_binary_out(op):
+    def fake(input, other, out):
+        a, b = binary_operands(op, input, other)
+        check_out(op, out, binary_shape(op, a.shape, b.shape), a.dtype, a)
+
+    return fake
+
+
 def _fake_binary_gradients(op):
     def fake(grad, input, other):
         check_binary_gradient_operands(op, f"{op}_gradients", grad, input, other)
@@ -236,4 +279,6 @@ def register():
                  [(f"{op}_backward", _fake_unary_backward(op)) for op in UNARY_OPS] +
                  [(op, _fake_binary(op)) for op in BINARY_OPS] +
                  [(f"{op}_backward", _fake_binary_backward(op)) for op in BINARY_OPS] +
-                 [(f"{op}_gradients", _fake_binary_gradients(op)) for op in BINARY_OPS])
+                 [(f"{op}_gradients", _fake_binary_gradients(op)) for op in BINARY_OPS] +
+                 [(f"{op}_out", _fake_unary_out(op)) for op in UNARY_OPS] +
+                 [(f"{op}_out", _fake_binary_out(op)) for op in BINARY_OPS])
