@@ -224,30 +224,43 @@ def _can_cast(source, target):
     return category(source) <= category(target)
 
 
-def _prepare_out(op, out, shape, dtype, ref, stacklevel=3):
+def _prepare_out(op, out, shape, dtype, ref, operands=(), stacklevel=2):
     """`out` made ready for a result of `shape` and `dtype` on ref's device, as
     torch's out= does: a non-empty `out` of another shape is resized with torch's
-    warning (an empty one silently); a dtype the result cannot be cast to is
-    refused. Returns whether `out` has the result's dtype (an op's <op>_out can
-    then write into it)."""
+    warning (an empty one silently), unless it shares memory with one of the
+    `operands` (a broadcast input as `out`: refused with torch's words); a dtype
+    the result cannot be cast to is refused. `stacklevel`: the user's frame as
+    warnings.warn counts it from here. Returns whether `out` has the result's dtype (an
+    op's <op>_out can then write into it)."""
     if not _can_cast(dtype, out.dtype):
         raise TypeError(f"nanfree.{op}: `out` is {out.dtype}, which the result's "
                         f"{dtype} cannot be cast to")
     check_device(op, "out", ref, out)
     if list(out.shape) != list(shape):
+        if any(_shares_memory(out, t) for t in operands):
+            raise RuntimeError(f"nanfree.{op}: output with shape {list(out.shape)} doesn't match "
+                               f"the broadcast shape {list(shape)} (it is an input, which a "
+                               f"resize would change; as torch)")
         if out.numel() != 0:
             warnings.warn(f"nanfree.{op}: an output with one or more elements was resized since "
                           f"it had shape {list(out.shape)}, which does not match the required "
                           f"output shape {list(shape)}. As torch, resize `out` to 0 "
                           "elements first (out.resize_(0)) to silence this.", UserWarning,
-                          stacklevel=stacklevel + 1)
+                          stacklevel=stacklevel)
         out.resize_(shape)
     return out.dtype == dtype
 
 
-def _into_out(op, out, result):
-    """result written into `out` as torch's out= does (_prepare_out)."""
-    _prepare_out(op, out, result.shape, result.dtype, result, stacklevel=4)
+def _shares_memory(a, b):
+    """Whether a and b are views of one allocation."""
+    storage = a.untyped_storage()
+    return storage.nbytes() > 0 and storage.data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _into_out(op, out, result, operands=(), stacklevel=3):
+    """result written into `out` as torch's out= does (_prepare_out; `stacklevel`
+    from here)."""
+    _prepare_out(op, out, result.shape, result.dtype, result, operands, stacklevel + 1)
     return out.copy_(result)
 
 
@@ -400,7 +413,8 @@ def _unary(op, input, out):
                                    f"support automatic differentiation, but one of the "
                                    f"arguments requires grad (as torch.{op})")
             if not _is_compiling():
-                if _prepare_out(op, out, input.shape, _elementwise.unary_dtype(op, input), input):
+                if _prepare_out(op, out, input.shape, _elementwise.unary_dtype(op, input), input,
+                                stacklevel=4):
                     getattr(torch.ops.nanfree, f"{op}_out")(input, out)
                     return out
     try:
@@ -411,7 +425,7 @@ def _unary(op, input, out):
     except RuntimeError:
         refuse_torch_func(op, input)
         raise
-    return result if out is None else _into_out(op, out, result)
+    return result if out is None else _into_out(op, out, result, (input,), stacklevel=4)
 
 
 def sqrt(input, *, out=None):
@@ -536,7 +550,7 @@ def _binary(op, input, other, out, other_name="other"):
         if not (op == "pow" and tensor.device.type == "cuda" and
                 torch.is_autocast_enabled("cuda")):  # CUDA autocast: torch's pow is float32
             result = result.to(tensor.dtype)
-        return result if out is None else _into_out(op, out, result)
+        return result if out is None else _into_out(op, out, result, (input, other), stacklevel=4)
     if isinstance(input, torch.Tensor):
         other = _binary_operand(op, other_name, other, input)
     else:
@@ -544,9 +558,15 @@ def _binary(op, input, other, out, other_name="other"):
     if out is not None and not _is_compiling():
         dtype = _elementwise.binary_dtype(op, input, other)
         shape = _elementwise.binary_shape(op, input.shape, other.shape)
-        # The result's device: a 0-d CPU tensor joins the other operand's.
-        joins = input.dim() == 0 and input.device.type == "cpu" and other.device != input.device
-        if _prepare_out(op, out, shape, dtype, other if joins else input):
+        # The result's device (a 0-d CPU tensor joins the other operand's), and
+        # the op's own refusal of other devices before `out` is touched.
+        ref = input
+        if input.device != other.device:
+            if input.dim() == 0 and input.device.type == "cpu":
+                ref = other
+            elif not (other.dim() == 0 and other.device.type == "cpu"):
+                check_device(op, "other", input, other)
+        if _prepare_out(op, out, shape, dtype, ref, (input, other), stacklevel=4):
             getattr(torch.ops.nanfree, f"{op}_out")(input, other, out)
             return out
     try:
@@ -554,7 +574,7 @@ def _binary(op, input, other, out, other_name="other"):
     except RuntimeError:
         refuse_torch_func(op, input, other)
         raise
-    return result if out is None else _into_out(op, out, result)
+    return result if out is None else _into_out(op, out, result, (input, other), stacklevel=4)
 
 
 def pow(input, exponent, *, out=None):

@@ -29,8 +29,10 @@ def out_matches_torch(nf_fn, torch_fn, args):
     """nf_fn(*args, out=o) writes nf_fn(*args) (torch_fn's result within the
     dtype's tolerance) into o itself (its storage and strides kept, its version
     counter bumped), for an `out` of the result's dtype and a wider one,
-    contiguous and strided; an `out` whose elements share memory is refused as
-    torch refuses it."""
+    contiguous (bit for bit) and strided (within the dtype's tolerance: a CPU
+    kernel's strided loop is element by element, whose log can differ from the
+    vector loop's by a rounding, as torch's loops do); an `out` whose elements
+    share memory is refused as torch refuses it."""
     expected = nf_fn(*args)
     torch.testing.assert_close(expected, torch_fn(*args), equal_nan=True)
     shape, dtype, device = expected.shape, expected.dtype, expected.device
@@ -48,7 +50,8 @@ def out_matches_torch(nf_fn, torch_fn, args):
             ptr, stride, version = out.data_ptr(), out.stride(), out._version
             assert nf_fn(*args, out=out) is out
             assert out.data_ptr() == ptr and out.stride() == stride and out._version > version
-            torch.testing.assert_close(out, expected.to(dt), rtol=0, atol=0, equal_nan=True)
+            exact = dict(rtol=0, atol=0) if make is contiguous else {}
+            torch.testing.assert_close(out.to(dtype), expected, equal_nan=True, **exact)
     shared = torch.empty(1, dtype=dtype, device=device).expand(shape)
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         torch_fn(*args, out=shared)
@@ -72,3 +75,13 @@ def top_level_ops(fn, *args, **kwargs):
     with _TopLevelOps() as mode:
         fn(*args, **kwargs)
     return mode.names
+
+
+def allocations_and_copies(fn, *args, **kwargs):
+    """The ATen ops fn(*args, **kwargs) runs, at any depth, that allocate a tensor
+    or copy one (the profiler sees the ops a kernel calls too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args, **kwargs)
+    names = {event.name for event in prof.events()}
+    return sorted(n for n in names if n.startswith(("aten::empty", "aten::copy_", "aten::clone",
+                                                     "aten::contiguous", "aten::_to_copy")))

@@ -8,10 +8,11 @@ behaviour in layouts, dtypes, out= and autocast."""
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
-from drop_in_checks import out_matches_torch, top_level_ops
+from drop_in_checks import allocations_and_copies, out_matches_torch, top_level_ops
 from torch.library import opcheck
 
 import nanfree.ops as nf
+from nanfree import _backends
 from nanfree._ops.elementwise import is_dense
 
 OPS = ("sqrt", "log", "log1p", "acos", "asin")
@@ -137,8 +138,9 @@ def test_out_as_torch(device, op):
     resized = torch.empty(0, device=device)
     getattr(nf, op)(x, out=resized)
     assert resized.shape == (5,)
-    with pytest.warns(UserWarning, match="resized"):
+    with pytest.warns(UserWarning, match="resized") as warned:
         getattr(nf, op)(x, out=torch.empty(3, device=device))
+    assert warned[0].filename == __file__  # the caller's line, as torch's warning
     with pytest.raises(TypeError, match=f"nanfree.{op}.*out"):
         getattr(nf, op)(x, out=torch.empty(5, dtype=torch.int64, device=device))
     with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
@@ -166,6 +168,26 @@ def test_out_is_written_in_place_as_torch(device, op, dtype):
     out = torch.empty(3, device=device)
     getattr(nf, op)(ints, out=out)
     torch.testing.assert_close(out, getattr(nf, op)(ints), rtol=0, atol=0, equal_nan=True)
+
+
+def _compiled_kernels_serve(device):
+    """Whether nanfree's C++ or CUDA kernels (emulated ones included) serve the
+    device, whose <op>_out write `out` themselves (the Python backends copy)."""
+    return _backends.SERVING[torch.device(device).type] in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_out_takes_no_temporary(device, op):
+    """The C++ and CUDA kernels write `out` with no tensor allocated or copied: a
+    contiguous `out`, and on the C++ kernels a strided one too."""
+    if not _compiled_kernels_serve(device):
+        pytest.skip("the Python backends compute, then copy into `out`")
+    x = _interior(op, (4, 6), device).detach().float()
+    outs = [torch.empty(4, 6, device=device)]
+    if _backends.SERVING[torch.device(device).type] == "cpu":
+        outs.append(torch.empty(4, 12, device=device)[:, ::2])
+    for out in outs:
+        assert allocations_and_copies(getattr(nf, op), x, out=out) == []
 
 
 @pytest.mark.parametrize("op", OPS)

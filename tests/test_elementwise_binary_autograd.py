@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 from conftest import DTYPES, INTERPRETED
-from drop_in_checks import out_matches_torch, top_level_ops
+from drop_in_checks import allocations_and_copies, out_matches_torch, top_level_ops
 from torch.library import opcheck
 
 import nanfree.ops as nf
+from nanfree import _backends
 
 OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
 TORCH = {"pow": torch.pow, "atan2": torch.atan2, "div_no_nan": torch.div, "xlogy": torch.xlogy,
@@ -175,8 +176,15 @@ def test_out_as_torch(device, op):
     r = getattr(nf, op)(a, b, out=out)
     assert r is out
     torch.testing.assert_close(out, TORCH[op](a, b))
-    with pytest.warns(UserWarning, match="resized"):
+    with pytest.warns(UserWarning, match="resized") as warned:
         getattr(nf, op)(a, b, out=torch.empty(3, device=device))
+    assert warned[0].filename == __file__  # the caller's line, as torch's warning
+    row = b[:1].clone()  # an input that broadcasts, as `out`: a resize would change it
+    with pytest.raises(RuntimeError, match=r"output with shape \[1\] doesn't match the broadcast"):
+        theirs = row.clone()
+        TORCH[op](a, theirs, out=theirs)  # torch's words
+    with pytest.raises(RuntimeError, match=r"output with shape \[1\] doesn't match the broadcast"):
+        getattr(nf, op)(a, row, out=row)
     with pytest.raises(TypeError, match=f"nanfree.{op}.*out"):
         getattr(nf, op)(a, b, out=torch.empty(5, dtype=torch.int64, device=device))
     with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
@@ -207,6 +215,24 @@ def test_out_is_written_in_place_as_torch(device, op, dtype):
     buffer = torch.cat([a.flatten(), a.flatten()[:1]])
     fn(buffer[:-1].view(4, 5), b, out=buffer[1:].view(4, 5))
     torch.testing.assert_close(buffer[1:], expected.flatten(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_out_takes_no_temporary(device, op):
+    """The C++ and CUDA kernels write `out` with no tensor allocated or copied:
+    operands and `out` in one layout (the CUDA kernels' flat case); on the C++
+    kernels also a transposed or strided `out` and a broadcast operand."""
+    serving = _backends.SERVING[torch.device(device).type]
+    if serving not in ("cpu", "cuda"):
+        pytest.skip("the Python backends compute, then copy into `out`")
+    a, b = _interior(op, (4, 6), (4, 6), device)
+    a, b = a.detach().float(), b.detach().float()
+    cases = [(a, b, torch.empty(4, 6, device=device))]
+    if serving == "cpu":
+        cases += [(a, b[0], torch.empty(6, 4, device=device).T),
+                  (a, b[0].expand(4, 6), torch.empty(4, 12, device=device)[:, ::2])]
+    for first, second, out in cases:
+        assert allocations_and_copies(getattr(nf, op), first, second, out=out) == []
 
 
 @pytest.mark.parametrize("op", OPS)

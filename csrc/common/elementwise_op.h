@@ -73,13 +73,14 @@ inline void check_out(const char* op, const at::Tensor& out, at::IntArrayRef sha
 }
 
 // Whether `out` shares memory with the operand t other than element for
-// element (a partial overlap, or one ATen cannot rule out): <op>_out then
-// computes first and copies, so every backend writes the op of the operand as
-// it was (torch's out= refuses a partial overlap; the Python backends always
-// compute first).
+// element (a partial overlap, or views of one allocation whose overlap ATen
+// does not work out: either is not dense): <op>_out then computes first and
+// copies, so every backend writes the op of the operand as it was (torch's
+// out= refuses a partial overlap; the Python backends always compute first).
 inline bool overlaps_partly(const at::Tensor& out, const at::Tensor& t) {
   const at::MemOverlapStatus status = at::get_overlap_status(out, t);
-  return status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::TooHard;
+  if (status == at::MemOverlapStatus::TooHard) return out.storage().is_alias_of(t.storage());
+  return status == at::MemOverlapStatus::Partial;
 }
 
 // Registers Kernels<op>::forward_out as <op>_out for every unary op (the
