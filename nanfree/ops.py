@@ -252,7 +252,9 @@ def _prepare_out(op, out, shape, dtype, ref, operands=(), stacklevel=2):
 
 
 def _shares_memory(a, b):
-    """Whether a and b are views of one allocation."""
+    """Whether tensor a and b (a tensor or a number) are views of one allocation."""
+    if not isinstance(b, torch.Tensor):
+        return False
     storage = a.untyped_storage()
     return storage.nbytes() > 0 and storage.data_ptr() == b.untyped_storage().data_ptr()
 

@@ -179,6 +179,11 @@ def test_out_as_torch(device, op):
     with pytest.warns(UserWarning, match="resized") as warned:
         getattr(nf, op)(a, b, out=torch.empty(3, device=device))
     assert warned[0].filename == __file__  # the caller's line, as torch's warning
+    half = a.bfloat16()  # pow and div_no_nan: a number not in bfloat16 takes float32 first
+    with pytest.warns(UserWarning, match="resized") as warned:
+        resized = getattr(nf, op)(half, 0.3, out=torch.empty(3, dtype=torch.bfloat16, device=device))
+    assert warned[0].filename == __file__
+    torch.testing.assert_close(resized, getattr(nf, op)(half, 0.3), rtol=0, atol=0)
     row = b[:1].clone()  # an input that broadcasts, as `out`: a resize would change it
     with pytest.raises(RuntimeError, match=r"output with shape \[1\] doesn't match the broadcast"):
         theirs = row.clone()
