@@ -140,7 +140,8 @@ def test_out_as_torch(device, op):
     assert resized.shape == (5,)
     with pytest.warns(UserWarning, match="resized") as warned:
         getattr(nf, op)(x, out=torch.empty(3, device=device))
-    assert warned[0].filename == __file__  # the caller's line, as torch's warning
+    # the caller's line, as torch's warning (Triton's interpreter may warn too)
+    assert [w.filename for w in warned if "resized" in str(w.message)] == [__file__]
     with pytest.raises(TypeError, match=f"nanfree.{op}.*out"):
         getattr(nf, op)(x, out=torch.empty(5, dtype=torch.int64, device=device))
     with pytest.raises(RuntimeError, match="out=.*automatic differentiation"):
