@@ -379,19 +379,8 @@ void cosine_kernel(const CosineArgs& args, double eps_arg) {
           guess_b.update(pb);
         }
       }
-      const acc_t ssq_a = sums.ssq_a, ssq_b = sums.ssq_b, dot = sums.dot;
-      const NormFactors<acc_t> fa = norm_factors(pa, ssq_a, eps);
-      const NormFactors<acc_t> fb = norm_factors(pb, ssq_b, eps);
-      out[r] = static_cast<scalar_t>(cosine_value(dot, fa.divisor, fb.divisor, fa.q, fb.q));
-      acc_t* st = stats + kCosineStats * r;
-      st[0] = pa;
-      st[1] = fa.q;
-      st[2] = unit_divisor(fa.divisor, pa, amax_a);
-      st[3] = fa.grad_factor;
-      st[4] = pb;
-      st[5] = fb.q;
-      st[6] = unit_divisor(fb.divisor, pb, amax_b);
-      st[7] = fb.grad_factor;
+      out[r] = static_cast<scalar_t>(cosine_row(sums.dot, pa, sums.ssq_a, amax_a, pb, sums.ssq_b,
+                                                amax_b, eps, stats + kCosineStats * r));
     }
   });
 }

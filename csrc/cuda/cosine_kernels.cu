@@ -325,18 +325,8 @@ template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void write_similarity(scalar_t* output, acc_t* stats, int64_t row,
                                                  acc_t amax1, acc_t amax2, acc_t p1, acc_t p2,
                                                  const acc_t (&sums)[3], acc_t eps) {
-  const NormFactors<acc_t> f1 = norm_factors(p1, sums[0], eps);
-  const NormFactors<acc_t> f2 = norm_factors(p2, sums[1], eps);
-  output[row] = FromAcc<scalar_t>::cast(cosine_value(sums[2], f1.divisor, f2.divisor, f1.q, f2.q));
-  acc_t* st = stats + kCosineStats * row;
-  st[0] = p1;
-  st[1] = f1.q;
-  st[2] = unit_divisor(f1.divisor, p1, amax1);
-  st[3] = f1.grad_factor;
-  st[4] = p2;
-  st[5] = f2.q;
-  st[6] = unit_divisor(f2.divisor, p2, amax2);
-  st[7] = f2.grad_factor;
+  output[row] = FromAcc<scalar_t>::cast(cosine_row(sums[2], p1, sums[0], amax1, p2, sums[1], amax2,
+                                                   eps, stats + kCosineStats * row));
 }
 
 template <typename scalar_t, int kVec, int kIters>

@@ -167,6 +167,24 @@ def normalized_entry(s, divisor, q):
 
 
 @triton.jit
+def cosine_row(scaled_dot, p1, ssq1, amax1, p2, ssq2, amax2, eps, st, mask):
+    """A row's cosine similarity from the dot product of its vectors' scaled
+    entries and each vector's p, ssq and amax; stores the row's STATS statistics
+    (p, q, unit_divisor, grad_factor of x1, then of x2) at `st`."""
+    q1, divisor1, grad_factor1 = norm_factors(p1, ssq1, eps)
+    q2, divisor2, grad_factor2 = norm_factors(p2, ssq2, eps)
+    tl.store(st, p1, mask=mask)
+    tl.store(st + 1, q1, mask=mask)
+    tl.store(st + 2, unit_divisor(divisor1, p1, amax1), mask=mask)
+    tl.store(st + 3, grad_factor1, mask=mask)
+    tl.store(st + 4, p2, mask=mask)
+    tl.store(st + 5, q2, mask=mask)
+    tl.store(st + 6, unit_divisor(divisor2, p2, amax2), mask=mask)
+    tl.store(st + 7, grad_factor2, mask=mask)
+    return cosine_value(scaled_dot, divisor1, divisor2, q1, q2)
+
+
+@triton.jit
 def cosine_clamp(c):
     # A cosine similarity clamped to [-1, 1] (rounding can carry a dot product of
     # unit vectors past 1, and acos of that is NaN); NaN stays NaN.
@@ -374,19 +392,8 @@ def _cosine_kernel(x1_ptr, x2_ptr, out_ptr, stats_ptr, n_rows, d, eps: tl.float6
         ssq1 = tl.sum(part1, axis=1)
         ssq2 = tl.sum(part2, axis=1)
         dot = tl.sum(part12, axis=1)
-    q1, divisor1, grad_factor1 = norm_factors(p1, ssq1, eps)
-    q2, divisor2, grad_factor2 = norm_factors(p2, ssq2, eps)
-    c = cosine_value(dot, divisor1, divisor2, q1, q2)
+    c = cosine_row(dot, p1, ssq1, amax1, p2, ssq2, amax2, eps, stats_ptr + rows * STATS, in_row)
     store_rounded(out_ptr, rows, c, in_row)
-    st = stats_ptr + rows * STATS
-    tl.store(st, p1, mask=in_row)
-    tl.store(st + 1, q1, mask=in_row)
-    tl.store(st + 2, unit_divisor(divisor1, p1, amax1), mask=in_row)
-    tl.store(st + 3, grad_factor1, mask=in_row)
-    tl.store(st + 4, p2, mask=in_row)
-    tl.store(st + 5, q2, mask=in_row)
-    tl.store(st + 6, unit_divisor(divisor2, p2, amax2), mask=in_row)
-    tl.store(st + 7, grad_factor2, mask=in_row)
 
 
 @triton.jit

@@ -161,6 +161,26 @@ NF_HOST_DEVICE T cosine_value(T scaled_dot, T divisor1, T divisor2, T q1, T q2) 
   return cosine_clamp((scaled_dot * q1) * q2);
 }
 
+// A row's cosine similarity from the dot product of its vectors' scaled
+// entries and each vector's scale p, sum of squares ssq and largest magnitude
+// amax; writes the row's kCosineStats statistics (p, q, unit_divisor,
+// grad_factor of x1, then of x2) to `stats`.
+template <typename T>
+NF_HOST_DEVICE T cosine_row(T scaled_dot, T p1, T ssq1, T amax1, T p2, T ssq2, T amax2, T eps,
+                            T* stats) {
+  const NormFactors<T> f1 = norm_factors(p1, ssq1, eps);
+  const NormFactors<T> f2 = norm_factors(p2, ssq2, eps);
+  stats[0] = p1;
+  stats[1] = f1.q;
+  stats[2] = unit_divisor(f1.divisor, p1, amax1);
+  stats[3] = f1.grad_factor;
+  stats[4] = p2;
+  stats[5] = f2.q;
+  stats[6] = unit_divisor(f2.divisor, p2, amax2);
+  stats[7] = f2.grad_factor;
+  return cosine_value(scaled_dot, f1.divisor, f2.divisor, f1.q, f2.q);
+}
+
 // d normalize: the gradient of y = x / norm for an incoming g, given
 // dot = sum(g * y) over the vector (a GradSum of numerics.h) and grad_factor =
 // norm_factors' grad_factor: (g - y * dot) / norm, with 1 / norm applied as
