@@ -9,9 +9,9 @@
 # layout tests with the other schedules and the AddressSanitizer/UBSan build),
 # and, with a GPU, the compiled Triton kernels on CUDA tensors; then every
 # Triton kernel is compiled for sm_90 without a GPU (scripts/triton_compile_check.py,
-# with the installed Triton and with the GPU machines' Triton). The
-# Triton-interpreter pass runs in the background beside all the others (its
-# output comes when it ends). Tests marked
+# with the installed Triton and with the GPU machines' Triton). Two passes or
+# checks run at once (NANFREE_TEST_JOBS), each printing its output when it
+# ends. Tests marked
 # backend_independent (they do not call a kernel of the pass's backend) run in
 # the first pass only. Each pass prints how long it took. Extra arguments go to
 # pytest (and then the coverage and compile checks are left out).
@@ -39,30 +39,9 @@ run() {
   echo "=== tests with ${environment[*]} took $((SECONDS - pass_start)) s ==="
 }
 OTHER=(-m "not backend_independent")
-# The Triton-interpreter pass, the longest (numpy, one core busy), runs beside
-# all the others: on the 2-core machine the two streams take about the time of
-# the longer one instead of their sum. Its output is printed when it ends
-# (wait_for_triton); a failure fails the run there.
-triton_log="$(mktemp)"
-run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}" >"$triton_log" 2>&1 &
-triton_pid=$!
-# On an early exit (a failed pass), the background pass goes too; `|| true`:
-# under `set -e` a failing command in the trap would become the run's status.
-trap 'pkill -P "$triton_pid" 2>/dev/null || true; kill "$triton_pid" 2>/dev/null || true' EXIT
-wait_for_triton() {
-  local status=0
-  wait "$triton_pid" || status=$?
-  trap - EXIT
-  echo "=== output of the Triton-interpreter pass (run beside the others) ==="
-  cat "$triton_log"
-  rm -f "$triton_log"
-  if ((status != 0)); then
-    echo "the Triton-interpreter pass failed (exit code $status)" >&2
-    exit "$status"
-  fi
-}
-run NANFREE_BACKEND= -- tests
-run NANFREE_BACKEND=torch -- tests "${OTHER[@]}"
+triton_interpreter() { run NANFREE_BACKEND=triton TRITON_INTERPRET=1 -- tests "${OTHER[@]}"; }
+default_selection() { run NANFREE_BACKEND= -- tests; }
+pure_pytorch() { run NANFREE_BACKEND=torch -- tests "${OTHER[@]}"; }
 
 # Compiled Triton refuses code its interpreter runs: every kernel, as the ops
 # launch it, is compiled for sm_90 without a GPU, with this Triton and with the
@@ -74,47 +53,110 @@ compile_check() {
   "$@"
   echo "=== took $((SECONDS - check_start)) s ==="
 }
-if ((${#PYTEST_ARGS[@]} == 0)); then
+compile_with_installed_triton() {
   compile_check "the installed Triton (--quick: fewer dtypes and shapes)" \
     "$PYTHON" scripts/triton_compile_check.py --quick
-  gpu_triton="${GPU_TRITON:-3.6.0}"
-  gpu_triton_dir="build/triton-$gpu_triton"
-  [[ -d $gpu_triton_dir/triton ]] || \
-    "$PYTHON" -m pip install -q --no-deps --target "$gpu_triton_dir" "triton==$gpu_triton"
-  compile_check "Triton $gpu_triton" \
-    env "PYTHONPATH=$PWD/$gpu_triton_dir:$PYTHONPATH" "$PYTHON" scripts/triton_compile_check.py
-fi
+}
+compile_with_gpu_triton() {
+  local version="${GPU_TRITON:-3.6.0}"
+  local folder="build/triton-$version"
+  [[ -d $folder/triton ]] || \
+    "$PYTHON" -m pip install -q --no-deps --target "$folder" "triton==$version"
+  compile_check "Triton $version" \
+    env "PYTHONPATH=$PWD/$folder:$PYTHONPATH" "$PYTHON" scripts/triton_compile_check.py
+}
 
-emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
-if emulated plain && emulated grid_capped && emulated sanitized; then
-  # The emulation's own tests, every family's special-value table and the mask layouts.
-  KERNEL_TESTS=(tests/test_cuda_emulation.py tests/test_*_special_values.py
-                tests/test_softmax_mask_layouts.py)
-  cuda() { echo NANFREE_BACKEND=cuda "NANFREE_CUDA_EMULATION=$1" "NANFREE_CUDA_SCHEDULE=$2"; }
+# The emulated CUDA passes. The emulation's own tests, every family's
+# special-value table and the mask layouts run with every schedule and build.
+KERNEL_TESTS=(tests/test_cuda_emulation.py tests/test_*_special_values.py
+              tests/test_softmax_mask_layouts.py)
+cuda() { echo NANFREE_BACKEND=cuda "NANFREE_CUDA_EMULATION=$1" "NANFREE_CUDA_SCHEDULE=$2"; }
+emulated_whole_suite() {
   # The launch log of the whole-suite pass: every CUDA kernel and launch site
   # must have run (tests/cuda_emulation/coverage.py fails otherwise).
+  local launches
   launches="$(mktemp)"
   run $(cuda plain first-warp-ahead) NANFREE_CUDA_EMULATION_LOG="$launches" -- tests "${OTHER[@]}"
   if ((${#PYTEST_ARGS[@]} == 0)); then "$PYTHON" tests/cuda_emulation/coverage.py "$launches"; fi
   rm -f "$launches"
-  # A warp running ahead into a block's next row shows only where blocks iterate.
-  run $(cuda grid_capped last-warp-ahead) -- tests "${OTHER[@]}"
-  for schedule in lockstep last-warp-ahead random:1; do
-    run $(cuda plain $schedule) -- "${KERNEL_TESTS[@]}" "${OTHER[@]}"
-  done
+}
+# A warp running ahead into a block's next row shows only where blocks iterate.
+emulated_grid_capped() { run $(cuda grid_capped last-warp-ahead) -- tests "${OTHER[@]}"; }
+emulated_schedule() { run $(cuda plain "$1") -- "${KERNEL_TESTS[@]}" "${OTHER[@]}"; }
+emulated_sanitized() {
   # AddressSanitizer's runtime must be the process's first library, and
   # libstdc++ loaded before it initializes (for its __cxa_throw interceptor).
-  CXX="${CXX:-c++}"
+  local cxx="${CXX:-c++}"
   run $(cuda sanitized first-warp-ahead) ASAN_OPTIONS=detect_leaks=0 \
-      LD_PRELOAD="$("$CXX" -print-file-name=libasan.so) $("$CXX" -print-file-name=libstdc++.so)" \
+      LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)" \
       -- "${KERNEL_TESTS[@]}" "${OTHER[@]}"
+}
+
+# Every pass and check is a job, listed longest first (from a clean CI run on
+# the 2-core machine: the Triton-interpreter pass about 750 s, the Triton 3.6
+# compile check 300, the default pass 170, the emulated whole-suite passes
+# 100-120, the pure-PyTorch pass 110, ... each schedule pass 35).
+JOBS=(triton_interpreter)
+if ((${#PYTEST_ARGS[@]} == 0)); then JOBS+=(compile_with_gpu_triton); fi
+JOBS+=(default_selection)
+emulated() { "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('nanfree._C_cuda_emulated_$1') is None)"; }
+if emulated plain && emulated grid_capped && emulated sanitized; then
+  JOBS+=(emulated_whole_suite pure_pytorch emulated_grid_capped)
+  if ((${#PYTEST_ARGS[@]} == 0)); then JOBS+=(compile_with_installed_triton); fi
+  JOBS+=(emulated_sanitized "emulated_schedule lockstep" "emulated_schedule last-warp-ahead"
+         "emulated_schedule random:1")
 elif [[ $NANFREE_CUDA_EMULATE == 1 ]]; then
   echo "the emulated CUDA builds are missing although NANFREE_CUDA_EMULATE=1" >&2
   exit 1
 else
   echo "=== no emulated CUDA pass: the emulated CUDA builds need CUDA's headers (see setup.py) ==="
+  JOBS+=(pure_pytorch)
+  if ((${#PYTEST_ARGS[@]} == 0)); then JOBS+=(compile_with_installed_triton); fi
 fi
-wait_for_triton
+
+# NANFREE_TEST_JOBS (default 2) jobs run at once, each taking the next of the
+# list when one ends: on the 2-core machine both cores stay busy to the end
+# (the jobs are mostly single-threaded Python). A job's output is printed when
+# it ends; the first job that fails ends the run, and the jobs still running.
+WORKERS="${NANFREE_TEST_JOBS:-2}"
+declare -A job_log=() job_name=()
+stop_jobs() {
+  local pid
+  for pid in "${!job_log[@]}"; do
+    # `|| true`: under `set -e` a failing command in the trap would become the run's status.
+    pkill -P "$pid" 2>/dev/null || true
+    kill "$pid" 2>/dev/null || true
+    rm -f "${job_log[$pid]}"
+  done
+}
+trap stop_jobs EXIT
+start_job() {
+  local log
+  log="$(mktemp)"
+  # $1 is a function name and its arguments, split into words.
+  $1 >"$log" 2>&1 &
+  job_log[$!]="$log"
+  job_name[$!]="$1"
+}
+finish_job() {
+  local pid name status=0
+  wait -n -p pid "${!job_log[@]}" || status=$?
+  name="${job_name[$pid]}"
+  echo "=== output of job '$name' ==="
+  cat "${job_log[$pid]}"
+  rm -f "${job_log[$pid]}"
+  unset "job_log[$pid]" "job_name[$pid]"
+  if ((status != 0)); then
+    echo "job '$name' failed (exit code $status)" >&2
+    exit "$status"
+  fi
+}
+for job in "${JOBS[@]}"; do
+  while ((${#job_log[@]} >= WORKERS)); do finish_job; done
+  start_job "$job"
+done
+while ((${#job_log[@]} > 0)); do finish_job; done
+trap - EXIT
 if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   run NANFREE_BACKEND=triton -- tests "${OTHER[@]}"
 fi
