@@ -6,11 +6,13 @@
 - ``nanfree._C_cpu``: the CPU kernels (csrc/cpu). Always built.
 - ``nanfree._C_cuda``: the CUDA kernels (csrc/cuda). Built when torch has CUDA and
   ``nvcc`` is found, also on a machine without a GPU (compile and link only).
-- ``nanfree._C_cuda_emulated_<variant>`` (test-only, with ``NANFREE_CUDA_EMULATE``): the
+- ``nanfree._C_cuda_emulated_<build>`` (test-only, with ``NANFREE_CUDA_EMULATE``): the
   same CUDA kernels and registrations compiled by the host compiler against the
   emulation of the CUDA execution model in tests/cuda_emulation, serving CPU tensors
-  (``NANFREE_BACKEND=cuda NANFREE_CUDA_EMULATION=<variant>``). Needs CUDA's headers
-  (a toolkit, or the nvidia wheels of a CUDA build of torch), not a GPU or nvcc.
+  (``NANFREE_BACKEND=cuda NANFREE_CUDA_EMULATION=<variant>``; the ``plain`` build serves
+  the variants ``plain`` and ``grid_capped``, the ``sanitized`` build ``sanitized``).
+  Needs CUDA's headers (a toolkit, or the nvidia wheels of a CUDA build of torch), not a
+  GPU or nvcc.
 
 Environment:
 - ``NANFREE_CUDA=0|1|auto`` (default auto): 1 fails the build when CUDA cannot be built.
@@ -18,9 +20,9 @@ Environment:
 - ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
   CPU kernels; auto picks the best one the build machine has (and with AVX-512, its
   AVX512-BF16 conversion instructions where it has them).
-- ``NANFREE_CUDA_EMULATE=0|1|auto|<variant>[,<variant>...]`` (default 0): the emulated
-  CUDA builds; 1 builds every variant of EMULATION_VARIANTS (and fails without CUDA's
-  headers), auto every variant when CUDA's headers are found (scripts/test.sh).
+- ``NANFREE_CUDA_EMULATE=0|1|auto|<build>[,<build>...]`` (default 0): the emulated
+  CUDA builds; 1 builds every one of EMULATION_BUILDS (and fails without CUDA's
+  headers), auto every one when CUDA's headers are found (scripts/test.sh).
 
 No fast-math flag is ever used: it lets the compiler delete NaN and inf checks.
 """
@@ -192,16 +194,13 @@ def _cuda_extension():
     )
 
 
-# The emulated CUDA builds: variant -> extra compiler and linker flags.
-EMULATION_VARIANTS = {
-    # The cosine family's warp-per-row forwards for every row count (the GPU
-    # build takes them from 4096 rows, beyond the tests' shapes).
-    "plain": (["-DNANFREE_CUDA_WARP_ROWS_MIN=1"], []),
-    # Every launch gets at most 3 blocks, so every grid-stride loop iterates,
-    # and the MNR driver's chunks hold 1024 cosines, so that its row loop does;
-    # the warp-per-row forwards from 64 rows (fewer take the group kernels).
-    "grid_capped": (["-DNANFREE_CUDA_MAX_BLOCKS=3", "-DNANFREE_MNR_CHUNK_ENTRIES=1024",
-                     "-DNANFREE_CUDA_WARP_ROWS_MIN=64"], []),
+# The emulated CUDA builds: build -> extra compiler and linker flags. The
+# variants that differ only in launch limits (csrc/cuda/launch_limits.h) share
+# a build, which reads the limits of NANFREE_CUDA_EMULATION when it loads.
+EMULATION_BUILDS = {
+    # The variants plain and grid_capped (the latter: every launch gets at most
+    # 3 blocks, so that every grid-stride loop iterates).
+    "plain": ([], []),
     # AddressSanitizer and UndefinedBehaviorSanitizer (misaligned vector
     # accesses included); loading it needs libasan preloaded (scripts/test.sh).
     "sanitized": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -227,11 +226,11 @@ def _cuda_emulation_extensions():
     requested = os.environ.get("NANFREE_CUDA_EMULATE", "0").strip().lower()
     if requested in ("", "0"):
         return []
-    variants = list(EMULATION_VARIANTS) if requested in ("1", "auto") else requested.split(",")
-    unknown = [v for v in variants if v not in EMULATION_VARIANTS]
+    builds = list(EMULATION_BUILDS) if requested in ("1", "auto") else requested.split(",")
+    unknown = [b for b in builds if b not in EMULATION_BUILDS]
     if unknown:
-        raise SystemExit(f"NANFREE_CUDA_EMULATE: unknown variants {unknown}; "
-                         f"known: {', '.join(EMULATION_VARIANTS)}")
+        raise SystemExit(f"NANFREE_CUDA_EMULATE: unknown builds {unknown}; "
+                         f"known: {', '.join(EMULATION_BUILDS)}")
     headers = _cuda_header_dirs()
     if not headers:
         problem = ("the emulated CUDA build needs CUDA's headers (cuda_fp16.h): install a CUDA "
@@ -247,11 +246,11 @@ def _cuda_emulation_extensions():
 
     emulation = os.path.join(HERE, "tests", "cuda_emulation")
     extensions = []
-    for variant in variants:
-        # One folder of sources per variant: the rewritten kernels, and files
+    for build in builds:
+        # One folder of sources per build: the rewritten kernels, and files
         # that include the registrations and the emulation's runtime, so that
         # no object file is shared between builds of different flags.
-        root = os.path.join(HERE, "build", "cuda_emulation", variant)
+        root = os.path.join(HERE, "build", "cuda_emulation", build)
         # nanfree's kernels, and the emulation's own test kernels (test_cuda_emulation.py).
         rewrite.rewrite_tree(os.path.join(HERE, "csrc", "cuda"), os.path.join(root, "cuda"), HERE)
         rewrite.rewrite_tree(emulation, os.path.join(root, "self_test"), HERE)
@@ -272,9 +271,9 @@ def _cuda_emulation_extensions():
         # Headers too: setuptools rebuilds an extension only when a listed file is newer.
         depends = [p for pattern in ("csrc/**/*.h", "csrc/**/*.cuh", "tests/cuda_emulation/**/*.h")
                    for p in glob.glob(os.path.join(HERE, pattern), recursive=True)]
-        cflags, ldflags = EMULATION_VARIANTS[variant]
+        cflags, ldflags = EMULATION_BUILDS[build]
         extensions.append(CppExtension(
-            f"nanfree._C_cuda_emulated_{variant}",
+            f"nanfree._C_cuda_emulated_{build}",
             [os.path.relpath(p, HERE) for p in sources],
             include_dirs=[root, os.path.join(emulation, "include"), emulation, *INCLUDE_DIRS,
                           *headers],

@@ -13,9 +13,10 @@ CUDA tensors only without it (compiled Triton): the interpreter is never used
 for CUDA tensors.
 
 ``NANFREE_BACKEND=cuda NANFREE_CUDA_EMULATION=<variant>`` is the same for the
-CUDA kernels: the test-only emulated build ``nanfree._C_cuda_emulated_<variant>``
-(``plain``, ``grid_capped`` or ``sanitized``; setup.py's NANFREE_CUDA_EMULATE)
-runs them on CPU tensors through an emulation of the CUDA execution model
+CUDA kernels: a test-only emulated build (setup.py's NANFREE_CUDA_EMULATE;
+``nanfree._C_cuda_emulated_plain`` for the variants ``plain`` and ``grid_capped``,
+which differ in launch limits only, ``nanfree._C_cuda_emulated_sanitized`` for
+``sanitized``) runs them on CPU tensors through an emulation of the CUDA execution model
 (tests/cuda_emulation), and CUDA tensors are refused.
 """
 
@@ -67,10 +68,18 @@ def _load_extension(name):
     return None
 
 
+# Variant of NANFREE_CUDA_EMULATION -> the emulated build that serves it (the
+# build reads its variant's launch limits when it loads: csrc/cuda/launch_limits.h).
+EMULATED_BUILDS = {"plain": "plain", "grid_capped": "plain", "sanitized": "sanitized"}
+
+
 def emulated_cuda_module():
     """The emulated CUDA build NANFREE_CUDA_EMULATION names, or None when it is unset."""
     variant = os.environ.get("NANFREE_CUDA_EMULATION", "").strip()
-    return f"_C_cuda_emulated_{variant}" if variant else None
+    if not variant:
+        return None
+    # An unknown variant names a build that does not exist: _load_emulated_cuda says so.
+    return f"_C_cuda_emulated_{EMULATED_BUILDS.get(variant, variant)}"
 
 
 def _load_emulated_cuda(module):
@@ -80,7 +89,7 @@ def _load_emulated_cuda(module):
                     "LD_PRELOAD=$(gcc -print-file-name=libasan.so), as scripts/test.sh does)")
     if problem is not None and _extension_path(module) is None:
         problem += (" (build it with NANFREE_CUDA_EMULATE=1 python setup.py build_ext --inplace; "
-                    "NANFREE_CUDA_EMULATION names plain, grid_capped or sanitized)")
+                    f"NANFREE_CUDA_EMULATION names one of {', '.join(EMULATED_BUILDS)})")
     return problem
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import nanfree.ops
 from nanfree import _backends
 
 if _backends.emulated_cuda_module() is None:
@@ -70,6 +71,27 @@ def test_blocks_have_their_own_shared_memory(blocks, threads):
     # units of its rounding (a block's sum can be near 0, so no relative bound).
     # Another block's values would be off by whole units.
     torch.testing.assert_close(out.double(), sums.reshape(-1), rtol=0, atol=1e-4)
+
+
+# The launch limits of each variant (csrc/cuda/launch_limits.h; -1: the GPU's value).
+VARIANT_LIMITS = {
+    "plain": {"kMaxBlocks": -1, "kChunkEntries": -1, "kWarpRowsMin": 1},
+    "grid_capped": {"kMaxBlocks": 3, "kChunkEntries": 1024, "kWarpRowsMin": 64},
+    "sanitized": {"kMaxBlocks": -1, "kChunkEntries": -1, "kWarpRowsMin": -1},
+}
+
+
+def test_the_variant_sets_the_launch_limits():
+    variant = os.environ["NANFREE_CUDA_EMULATION"]
+    limits = VARIANT_LIMITS[variant]
+    assert {name: ops.launch_limit(name) for name in limits} == limits
+    # A problem that a GPU gives many blocks: grid_capped gives it 3.
+    ops.largest_grid()
+    nanfree.ops.log(torch.rand(1 << 16) + 0.5)
+    if variant == "grid_capped":
+        assert ops.largest_grid() == 3
+    else:
+        assert ops.largest_grid() > 3
 
 
 def test_three_dimensional_indices():

@@ -643,13 +643,11 @@ __global__ void __launch_bounds__(kWarpRowThreads)
 // Whether the warp-per-row kernels (the forwards, normalize's backward) take a problem: rows of more than a
 // warp's vectors (shorter rows share a warp in the group kernels), up to 64
 // vectors per lane (longer rows want more threads per row), and enough rows
-// to give every SM many warps. The emulated test builds lower the row count,
-// so that both kernels run under the suite.
-#ifndef NANFREE_CUDA_WARP_ROWS_MIN
-#define NANFREE_CUDA_WARP_ROWS_MIN 4096
-#endif
+// to give every SM many warps. The emulated plain and grid_capped variants
+// lower the row count (to 1 and 64), so that both kernels run under the suite.
+NANFREE_CUDA_LIMIT(kWarpRowsMin, 4096);
 inline bool warp_rows(int64_t rows, int64_t nvec) {
-  return nvec > kWarp && nvec <= 64 * kWarp && rows >= NANFREE_CUDA_WARP_ROWS_MIN;
+  return nvec > kWarp && nvec <= 64 * kWarp && rows >= kWarpRowsMin;
 }
 
 inline int warp_row_blocks(int64_t rows) {

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cuda/device_types.h"
+#include "cuda/launch_limits.h"
 #include "nanfree/numerics.h"
 
 namespace nanfree {
@@ -28,11 +29,8 @@ constexpr int kMinThreads = 128;  // smallest block
 constexpr int kMaxWarps = kMaxThreads / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 // Blocks of one launch; the kernels loop over the remaining rows (gridDim.x < 2^31).
-// The emulated CUDA tests build with a few blocks, so that every grid-stride loop iterates.
-#ifndef NANFREE_CUDA_MAX_BLOCKS
-#define NANFREE_CUDA_MAX_BLOCKS 65536
-#endif
-constexpr int64_t kMaxBlocks = NANFREE_CUDA_MAX_BLOCKS;
+// The emulated grid_capped variant takes 3, so that every grid-stride loop iterates.
+NANFREE_CUDA_LIMIT(kMaxBlocks, 65536);
 
 // The largest finite value of scalar_t, in its accumulation type (the bound of a
 // saturated gradient: saturate of nanfree/numerics.h).

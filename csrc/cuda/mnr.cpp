@@ -26,6 +26,7 @@
 #include "common/mnr_op.h"
 #include "cuda/aten_device_types.h"
 #include "cuda/cuda_binding.h"
+#include "cuda/launch_limits.h"
 #include "cuda/mnr_kernels.h"
 #include "nanfree/mnr_math.h"
 
@@ -69,13 +70,10 @@ struct CudaMnrTiles {
   // write their float32 accumulator once per chunk: 2 n flops per 8 bytes,
   // so n must be about 1000 before the tensor cores (about 300 flops per byte
   // of H100 bandwidth) rather than that traffic set the pace.
-#ifdef NANFREE_MNR_CHUNK_ENTRIES
-  // The grid-capped emulated build: chunks of a few rows, so that the tests'
-  // small problems run in several chunks (streamed query gradients included).
-  static constexpr int64_t kChunkEntries = NANFREE_MNR_CHUNK_ENTRIES;
-#else
-  static constexpr int64_t kChunkEntries = int64_t(1) << 26;
-#endif
+  // The emulated grid_capped variant takes 1024: chunks of a few rows, so that
+  // the tests' small problems run in several chunks (streamed query gradients
+  // included).
+  static NANFREE_CUDA_LIMIT(kChunkEntries, int64_t(1) << 26);
   // Rows per chunk from kChunkEntries alone (the memory bound of the GPU path).
   static constexpr int64_t kMinChunkRows = 1;
 

@@ -17,6 +17,14 @@
 // - NANFREE_CUDA_EMULATION_LOG: a file to which every launch appends one JSON
 //   line (launch site, kernel, grid, block, integer arguments by name); the
 //   coverage report (tests/cuda_emulation/coverage.py) reads it.
+// - NANFREE_CUDA_EMULATION: the variant, whose launch limits
+//   (csrc/cuda/launch_limits.h) variant_limit gives:
+//     plain          the cosine family's warp-per-row kernels from 1 row.
+//     grid_capped    at most 3 blocks per launch (every grid-stride loop
+//                    iterates), MNR chunks of 1024 cosines (the driver's
+//                    chunk loop runs), the warp-per-row kernels from 64 rows
+//                    (fewer take the group kernels).
+//     sanitized      the GPU's limits.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -30,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/launch_limits.h"
 #include "cuda_emulation.h"
 #include "fiber.h"
 
@@ -587,6 +596,7 @@ class Block {
 
 thread_local std::unique_ptr<Block> block_runner;
 std::atomic<long long> launches{0};
+std::atomic<long long> largest_grid_blocks{0};
 
 [[noreturn]] void fail_launch(const LaunchConfig& c, const char* format, ...)
     __attribute__((format(printf, 2, 3)));
@@ -692,6 +702,34 @@ void log_launch(const Launch& launch) {
 
 }  // namespace
 
+int64_t variant_limit(const char* name, int64_t gpu_value) {
+  struct Limit {
+    const char* variant;
+    const char* name;
+    int64_t value;
+  };
+  static constexpr Limit kLimits[] = {
+      {"plain", "kWarpRowsMin", 1},
+      {"grid_capped", "kMaxBlocks", 3},
+      {"grid_capped", "kChunkEntries", 1024},
+      {"grid_capped", "kWarpRowsMin", 64},
+  };
+  static constexpr const char* kVariants[] = {"plain", "grid_capped", "sanitized"};
+  const char* variant = std::getenv("NANFREE_CUDA_EMULATION");
+  bool known = false;
+  for (const char* v : kVariants) known = known || (variant != nullptr && std::strcmp(variant, v) == 0);
+  if (!known) {
+    // nanfree loads an emulated build only for a variant it knows (nanfree/_backends.py).
+    std::fprintf(stderr, "cuda emulation: NANFREE_CUDA_EMULATION=%s is not one of plain, grid_capped, sanitized\n",
+                 variant == nullptr ? "(unset)" : variant);
+    std::abort();
+  }
+  for (const Limit& limit : kLimits) {
+    if (std::strcmp(limit.variant, variant) == 0 && std::strcmp(limit.name, name) == 0) return limit.value;
+  }
+  return gpu_value;
+}
+
 const ThreadView& current() {
   if (running_thread == nullptr) {
     std::fprintf(stderr, "cuda emulation: threadIdx/blockIdx read outside a kernel\n");
@@ -741,10 +779,16 @@ void enter_kernel(const char* pretty_name, Site site, int max_threads, const cha
 
 long long launch_count() { return launches.load(); }
 
+long long largest_grid() { return largest_grid_blocks.exchange(0); }
+
 void run_grid(const LaunchConfig& config, KernelCall call, const LoggedArgument* arguments,
               int argument_count) {
   validate(config);
   ++launches;
+  const long long blocks = static_cast<long long>(config.grid.x) * config.grid.y * config.grid.z;
+  long long largest = largest_grid_blocks.load();
+  while (blocks > largest && !largest_grid_blocks.compare_exchange_weak(largest, blocks)) {
+  }
   if (running_launch != nullptr) {
     std::fprintf(stderr, "cuda emulation: a kernel launch at %s:%d from inside a kernel\n",
                  config.site.file, config.site.line);

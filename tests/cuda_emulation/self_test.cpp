@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/launch_limits.h"
 #include "cuda_emulation.h"
 #include "self_test_kernels.h"
 
@@ -67,10 +68,17 @@ std::tuple<at::Tensor, at::Tensor> atomics(const at::Tensor& counters, const at:
 
 int64_t launches() { return cuda_emulation::launch_count(); }
 
+int64_t largest_grid() { return cuda_emulation::largest_grid(); }
+
+// -1 where the variant keeps the GPU's value.
+int64_t launch_limit(const std::string& name) { return cuda_emulation::variant_limit(name.c_str(), -1); }
+
 }  // namespace
 
 TORCH_LIBRARY(nanfree_cuda_emulation, m) {
   m.def("launches() -> int", &launches);
+  m.def("largest_grid() -> int", &largest_grid);
+  m.def("launch_limit(str name) -> int", &launch_limit);
   m.def("atomics(Tensor counters, Tensor sum) -> (Tensor, Tensor)", &atomics);
   m.def("shuffles(Tensor values, Tensor predicate) -> (Tensor, Tensor)", &shuffles);
   m.def("shared_poison() -> Tensor", &shared_poison);

@@ -143,6 +143,8 @@ void run_grid(const LaunchConfig& config, KernelCall call, const LoggedArgument*
 
 // Launches run so far in this process (tests check that bad input launches nothing).
 long long launch_count();
+// The most blocks of a launch since the last call (0 if none).
+long long largest_grid();
 
 template <typename T>
 LoggedArgument log_argument(const T& value) {
