@@ -241,6 +241,15 @@ def test_autocast_keeps_the_dtype_as_torch(device, op, dtype):
     # CPU autocast has no row for them, nor for sqrt anywhere.
     on_fp32_list = device == "cuda" and op in ("log", "log1p", "acos", "asin")
     assert y.dtype == (torch.float32 if on_fp32_list else dtype)
+    # out= as torch's out= under autocast (no autocast list has an out= overload):
+    # the op in the input's dtype, written into an out of that dtype or of float32.
+    for out_dtype in (dtype, torch.float32):
+        ours, theirs = (torch.empty(4, dtype=out_dtype, device=device) for _ in range(2))
+        with torch.autocast(device_type=device, dtype=autocast_dtype):
+            getattr(nf, op)(x, out=ours)
+            getattr(torch, op)(x, out=theirs)
+        # Both computed in the input's dtype: its tolerance.
+        torch.testing.assert_close(ours.to(dtype), theirs.to(dtype))
 
 
 @pytest.mark.parametrize("op", OPS)

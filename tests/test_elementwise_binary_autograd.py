@@ -291,6 +291,16 @@ def test_autocast_dtype_as_torch(device, op, dtype):
     with torch.autocast(device_type=device, dtype=autocast_dtype):
         ours, theirs = outcome(getattr(nf, op)), outcome(TORCH[op])
     assert ours == theirs
+    # out= as torch's out= under autocast (no autocast list has an out= overload):
+    # the op in the inputs' dtype, written into an out of that dtype or of float32.
+    for out_dtype in (dtype, torch.float32):
+        ours, theirs = (torch.empty(4, dtype=out_dtype, device=device) for _ in range(2))
+        with torch.autocast(device_type=device, dtype=autocast_dtype):
+            getattr(nf, op)(a, b, out=ours)
+            TORCH[op](a, b, out=theirs)
+        # Both computed in the inputs' dtype: its tolerance (xlogy's bfloat16
+        # rounding is torch's within one unit, as without out=).
+        torch.testing.assert_close(ours.to(dtype), theirs.to(dtype))
 
 
 # Every elementwise op and the torch overload whose autocast policy it copies.

@@ -101,6 +101,17 @@ def test_table(device, op, dtype):
             _assert_matches(got[k].cpu(), column, dtype, f"{op} {name}", saturated=k > 0)
     # The mixed second derivative is one, from either first derivative.
     torch.testing.assert_close(got[4], got[6], rtol=0, atol=0, equal_nan=True)
+    # out= (nanfree::<op>_out) writes the same values: bit for bit into a
+    # contiguous out; into a strided one within the dtype's rounding (the CPU
+    # kernel's strided loop takes the scalar path, as torch's loops do).
+    a, b = a.to(device), b.to(device)
+    out = torch.empty_like(got[0])
+    getattr(nf, op)(a, b, out=out)
+    torch.testing.assert_close(out, got[0], rtol=0, atol=0, equal_nan=True)
+    strided = torch.empty(2 * a.numel(), dtype=dtype, device=device)[::2]
+    getattr(nf, op)(a, b, out=strided)
+    _assert_matches(strided.cpu(), _rounded([e[0] for e in expected], dtype), dtype,
+                    f"{op} value into a strided out", saturated=False)
 
 
 @pytest.mark.parametrize("op", OPS)

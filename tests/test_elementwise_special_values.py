@@ -80,6 +80,16 @@ def test_table(device, op, dtype):
     _assert_matches(value.cpu(), [e[0] for e in expected], dtype, f"{op} value", saturated=False)
     _assert_matches(d1.cpu(), [e[1] for e in expected], dtype, f"{op} derivative")
     _assert_matches(d2.cpu(), [e[2] for e in expected], dtype, f"{op} second derivative")
+    # out= (nanfree::<op>_out) writes the same values: bit for bit into a
+    # contiguous out; into a strided one within the dtype's rounding (the CPU
+    # kernel's strided loop takes the scalar path, as torch's loops do).
+    out = torch.empty_like(value)
+    getattr(nf, op)(x, out=out)
+    torch.testing.assert_close(out, value, rtol=0, atol=0, equal_nan=True)
+    strided = torch.empty(2 * x.numel(), dtype=dtype, device=device)[::2]
+    getattr(nf, op)(x, out=strided)
+    _assert_matches(strided.cpu(), [e[0] for e in expected], dtype, f"{op} value into a strided out",
+                    saturated=False)
 
 
 @pytest.mark.parametrize("op", OPS)
