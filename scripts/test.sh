@@ -11,10 +11,10 @@
 # Triton kernel is compiled for sm_90 without a GPU (scripts/triton_compile_check.py,
 # with the installed Triton and with the GPU machines' Triton). Two passes or
 # checks run at once (NANFREE_TEST_JOBS), each printing its output when it
-# ends. Tests marked
-# backend_independent (they do not call a kernel of the pass's backend) run in
-# the first pass only. Each pass prints how long it took. Extra arguments go to
-# pytest (and then the coverage and compile checks are left out).
+# ends. Tests marked backend_independent (they do not call a kernel of the
+# pass's backend) run in the default pass only. Each pass prints how long it
+# took. Extra arguments go to pytest (and then the coverage and compile checks
+# are left out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
