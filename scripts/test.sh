@@ -16,6 +16,11 @@
 # took. Extra arguments go to pytest (and then the coverage and compile checks
 # are left out).
 set -euo pipefail
+# The job pool below waits for whichever job ends first: `wait -n -p`, bash 5.1.
+if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); then
+  echo "scripts/test.sh needs bash 5.1 or newer (this is $BASH_VERSION)" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 start=$SECONDS
