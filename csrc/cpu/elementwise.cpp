@@ -22,10 +22,12 @@
 
 // MKL's vector math functions (VML), weakly linked: nullptr where the torch this
 // extension links has no MKL. ATen's own float log, acos and asin call them; here
-// they give the value of log, acos and asin at the op's domain clamp (about 1
-// ulp, several times faster than Sleef's AVX-512 functions on CPUs of this
-// kind), and of log1p in float64 and where float has no AVX-512 (in float on
-// AVX-512: vec_double_math.h's log1p, through the vector loop). The length is
+// they give the value of acos and asin at the op's domain clamp (about 1 ulp,
+// several times faster than Sleef's AVX-512 functions on CPUs of this kind), and
+// of log and log1p in float64 and where float has no AVX-512. Float log and
+// log1p on AVX-512 go through the vector loop instead: vec_double_math.h's
+// (float32 results; faster than VML and correctly rounded) and, for log with
+// bfloat16 and float16 results, vec_float_math.h's log (float arithmetic). The length is
 // passed as 64-bit, right for MKL's LP64 and ILP64 interfaces for lengths below 2^31 (a chunk of kVmlChunk here). The mode is
 // ATen's: high accuracy (VML_HA), subnormals kept (VML_FTZDAZ_OFF: a float
 // input of 1e-45 is not 0), no error handling (VML_ERRMODE_IGNORE: log(0) and
@@ -57,18 +59,18 @@ template <UnaryOp op, typename T>
 VmlFunction<T> vml_function() {
   constexpr bool is_float = std::is_same_v<T, float>;
 #if defined(CPU_CAPABILITY_AVX512)
-  constexpr bool own_log1p = is_float;  // vec_double_math.h's log1p: faster, within half an ulp
+  constexpr bool own_log = is_float;  // vec_double_math.h's and vec_float_math.h's: faster, within an ulp
 #else
-  constexpr bool own_log1p = false;
+  constexpr bool own_log = false;
 #endif
-  if constexpr (op == UnaryOp::kLog || (op == UnaryOp::kLog1p && !own_log1p)) {
+  if constexpr ((op == UnaryOp::kLog || op == UnaryOp::kLog1p) && !own_log) {
     if constexpr (is_float) return &vmsLn; else return &vmdLn;
   } else if constexpr (op == UnaryOp::kAcos) {
     if constexpr (is_float) return &vmsAcos; else return &vmdAcos;
   } else if constexpr (op == UnaryOp::kAsin) {
     if constexpr (is_float) return &vmsAsin; else return &vmdAsin;
   }
-  return nullptr;  // sqrt (one vector instruction already); log1p of own_log1p
+  return nullptr;  // sqrt (one vector instruction already); log and log1p of own_log
 }
 
 // log1p(d) from u = 1 + d (rounded) and ln(u): ln(u) - ((u - 1) - d) / u
@@ -121,6 +123,20 @@ void unary_values_vml(const scalar_t* x, scalar_t* out, int64_t n, VmlFunction<a
   }
 }
 
+// unary_element for results stored as scalar_t. log's value for bfloat16 and
+// float16 results on AVX-512: the header's log_value (the log of the domain
+// clamp) with vec_float_math.h's float-arithmetic log, accurate far beyond
+// their rounding, at 0.65x the time of the correctly rounded one.
+template <UnaryOp op, int order, typename scalar_t, typename acc_t>
+Vec<acc_t> stored_element(const Vec<acc_t>& g, const Vec<acc_t>& x, const Vec<acc_t>& bound) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (op == UnaryOp::kLog && order == 0 && !std::is_same_v<scalar_t, acc_t>) {
+    return cpu::log_narrow_vec(unary_domain<op>(x));
+  }
+#endif
+  return unary_element<op, order>(g, x, bound);
+}
+
 // Runs the op over iter: operands (out, x) for order 0, (out, grad, x) else.
 template <UnaryOp op, int order, typename scalar_t>
 void unary_loop(at::TensorIteratorBase& iter) {
@@ -156,8 +172,8 @@ void unary_loop(at::TensorIteratorBase& iter) {
             auto [x0, x1] = at::vec::convert_to_float<scalar_t>(S::loadu(x + j));
             V g0(acc_t(0)), g1(acc_t(0));
             if constexpr (order > 0) std::tie(g0, g1) = at::vec::convert_to_float<scalar_t>(S::loadu(g + j));
-            cpu::narrow_pair<scalar_t>(unary_element<op, order>(g0, x0, bound_vec),
-                                       unary_element<op, order>(g1, x1, bound_vec))
+            cpu::narrow_pair<scalar_t>(stored_element<op, order, scalar_t>(g0, x0, bound_vec),
+                                       stored_element<op, order, scalar_t>(g1, x1, bound_vec))
                 .store(out + j);
           }
         }
@@ -165,7 +181,7 @@ void unary_loop(at::TensorIteratorBase& iter) {
           const int64_t count = std::min<int64_t>(V::size(), n0 - j);
           const V xv = cpu::load_vec(x + j, count);
           const V gv = order == 0 ? V(acc_t(0)) : cpu::load_vec(g + j, count);
-          cpu::store_vec<scalar_t>(unary_element<op, order>(gv, xv, bound_vec), out + j, count);
+          cpu::store_vec<scalar_t>(stored_element<op, order, scalar_t>(gv, xv, bound_vec), out + j, count);
         }
       } else {
         for (int64_t j = 0; j < n0; ++j) {

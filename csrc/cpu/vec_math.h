@@ -10,6 +10,7 @@
 
 #include "cpu/vec.h"
 #include "cpu/vec_double_math.h"
+#include "cpu/vec_float_math.h"
 
 namespace nanfree {
 
@@ -49,10 +50,14 @@ at::vec::Vectorized<T> nf_pow(const at::vec::Vectorized<T>& x, const at::vec::Ve
   return x.pow(y);
 }
 #if defined(CPU_CAPABILITY_AVX512)
-// float pow and log1p: vec_double_math.h's, in double arithmetic (correctly
-// rounded but for rare ties, faster than Sleef's, which ATen's float ones call).
+// float pow, log and log1p: vec_double_math.h's, in double arithmetic (correctly
+// rounded but for rare ties, faster than Sleef's, which ATen's float pow and
+// log1p call, and than MKL's log, which ATen's float log calls).
 inline at::vec::Vectorized<float> nf_pow(const at::vec::Vectorized<float>& x, const at::vec::Vectorized<float>& y) {
   return cpu::pow_float_vec(x, y);
+}
+inline at::vec::Vectorized<float> nf_log(const at::vec::Vectorized<float>& x) {
+  return cpu::log_float_vec(x);
 }
 inline at::vec::Vectorized<float> nf_log1p(const at::vec::Vectorized<float>& x) {
   return cpu::log1p_float_vec(x);

@@ -65,7 +65,7 @@ NF_HOST_DEVICE T sqrt_second_derivative(T x) {
 
 template <typename T>
 NF_HOST_DEVICE T log_domain(T x) {
-  return nf_where(x < T(0), T(0), x);  // below the domain: log(0) = -inf (rule 2)
+  return nf_clamp_min(x, T(0));  // below the domain: log(0) = -inf (rule 2)
 }
 
 template <typename T>
