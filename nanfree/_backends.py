@@ -75,10 +75,11 @@ EMULATED_BUILDS = {"plain": "plain", "grid_capped": "plain", "sanitized": "sanit
 
 def emulated_cuda_module():
     """The emulated CUDA build NANFREE_CUDA_EMULATION names, or None when it is unset."""
-    variant = os.environ.get("NANFREE_CUDA_EMULATION", "").strip()
-    if not variant:
+    variant = os.environ.get("NANFREE_CUDA_EMULATION", "")
+    if not variant.strip():
         return None
-    # An unknown variant names a build that does not exist: _load_emulated_cuda says so.
+    # An unknown variant (" plain" too: the build reads the variable as it is) names a
+    # build that does not exist: _load_emulated_cuda says so.
     return f"_C_cuda_emulated_{EMULATED_BUILDS.get(variant, variant)}"
 
 

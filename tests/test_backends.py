@@ -207,3 +207,15 @@ def test_triton_kernels_read_only_globals_compiled_triton_accepts():
                     and not _global_triton_accepts(fn.__globals__[node.id]):
                 bad.append(f"{module}.{name} reads {node.id}")
     assert not bad, sorted(set(bad))
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("variant", ["plain ", "no_such_variant"])
+def test_an_unknown_emulation_variant_is_refused_clearly(variant):
+    # The emulated build reads NANFREE_CUDA_EMULATION as it is (and aborts on a
+    # variant it does not know), so nanfree must refuse it first, by name, with
+    # the variants it knows; never load a build under a variant it would abort on.
+    result = _python("import nanfree", NANFREE_BACKEND="cuda", NANFREE_CUDA_EMULATION=variant)
+    assert result.returncode == 1, result.stderr
+    assert "BackendUnavailableError" in result.stderr
+    assert "names one of plain, grid_capped, sanitized" in result.stderr
