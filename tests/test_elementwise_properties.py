@@ -7,6 +7,9 @@ where torch is finite (float32, float16, bfloat16 against float64; float64
 within torch.testing.assert_close of torch's)."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,3 +186,49 @@ def test_float32_log1p_within_one_ulp(device):
     ]).float()
     err = _ulp_error(nf.log1p(x.to(device)).cpu(), x, torch.log1p)
     assert float(err.max()) <= 1.0, f"log1p: {float(err.max())} ulp"
+
+
+# The CPU kernels take MKL's vector math (VML) for some values on Intel's CPUs
+# and ATen's Sleef vectors elsewhere (NANFREE_CPU_VML=auto); the other path is
+# run here in child processes that force it, so both are tested on any x86 machine.
+_CHILD = """
+import sys, torch
+import nanfree.ops as nf
+inputs = torch.load(sys.argv[1])
+torch.save({key: getattr(nf, key[0])(x) for key, x in inputs.items()}, sys.argv[2])
+"""
+_DOMAIN = {"sqrt": lambda x: x.clamp_min(0), "log": lambda x: x.clamp_min(0),
+           "log1p": lambda x: x.clamp_min(-1), "acos": lambda x: x.clamp(-1, 1),
+           "asin": lambda x: x.clamp(-1, 1)}
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("vml", ["0", "1"])
+def test_cpu_values_with_and_without_vml(tmp_path, vml):
+    # Each op in float32, float64 and bfloat16 on a grid over and beyond its domain
+    # and the special values: the value of the op at the domain's clamp, within one
+    # ulp of float64's (or, in float64, of torch's own), infinities and NaN exact.
+    special = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1e-30, -1e-30, 1 - 2 ** -24, -1 + 2 ** -24,
+               math.inf, -math.inf, math.nan, 3e38, 1e-45]
+    inputs = {}
+    for op in OPS:
+        grid = torch.linspace(-1.5, 1.5, 3001, dtype=torch.float64) * (1 if op in ("acos", "asin") else 5)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            inputs[(op, str(dtype))] = torch.cat([grid, torch.tensor(special, dtype=torch.float64)]).to(dtype)
+    source, result = tmp_path / "inputs.pt", tmp_path / "values.pt"
+    torch.save(inputs, source)
+    env = {k: v for k, v in os.environ.items() if k not in ("NANFREE_BACKEND", "TRITON_INTERPRET")}
+    env["NANFREE_CPU_VML"] = vml
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(result)], env=env,
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    values = torch.load(result)
+    for (op, _), x in inputs.items():
+        ours = values[(op, _)].double()
+        exact = getattr(torch, op)(_DOMAIN[op](x.double()))
+        rounded = exact.to(x.dtype)
+        ulp = (torch.nextafter(rounded, torch.tensor(math.inf, dtype=x.dtype)) - rounded).double().abs()
+        same = (ours == rounded.double()) | (torch.isnan(ours) & torch.isnan(exact))
+        close = torch.isfinite(exact) & ((ours - exact).abs() <= ulp)
+        assert bool((same | close).all()), \
+            f"NANFREE_CPU_VML={vml} {op} {x.dtype}: x = {x[~(same | close)][:4].tolist()}"

@@ -29,6 +29,11 @@ template <typename T>
 at::vec::Vectorized<T> nf_clamp_min(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& lo) {
   return at::vec::clamp_min(x, lo);
 }
+// numerics.h's nf_clamp_max: ATen's clamp_max, min(hi, x), which returns x where x is NaN.
+template <typename T>
+at::vec::Vectorized<T> nf_clamp_max(const at::vec::Vectorized<T>& x, const at::vec::Vectorized<T>& hi) {
+  return at::vec::clamp_max(x, hi);
+}
 template <typename T>
 at::vec::Vectorized<T> nf_sqrt(const at::vec::Vectorized<T>& x) { return x.sqrt(); }
 template <typename T>

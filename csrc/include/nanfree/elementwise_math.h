@@ -110,10 +110,10 @@ NF_HOST_DEVICE T log1p_second_derivative(T x) {
 
 // --- acos and asin: domain [-1, 1] ------------------------------------------------
 
-// x clamped to [-1, 1]; NaN stays NaN (both comparisons are false).
+// x clamped to [-1, 1]; NaN stays NaN (nf_clamp_min and nf_clamp_max keep it).
 template <typename T>
 NF_HOST_DEVICE T unit_clamp(T x) {
-  return nf_where(x < T(-1), T(-1), nf_where(x > T(1), T(1), x));
+  return nf_clamp_max(nf_clamp_min(x, T(-1)), T(1));
 }
 
 // 1 / sqrt(1 - x^2) inside (-1, 1), with 1 - x^2 as (1 - x)(1 + x): near +-1

@@ -95,6 +95,11 @@ template <typename T>
 NF_HOST_DEVICE T nf_clamp_min(T x, T lo) {
   return x < lo ? lo : x;
 }
+// x above hi lowered to hi; NaN stays NaN (nf_clamp_min's mirror; vectors: one min).
+template <typename T>
+NF_HOST_DEVICE T nf_clamp_max(T x, T hi) {
+  return x > hi ? hi : x;
+}
 
 // The eps the accumulation type works with: one below its smallest normal
 // (even one the caller passes, say 1e-45 in float) is raised to it, so 1/eps,
