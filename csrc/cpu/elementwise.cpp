@@ -24,8 +24,9 @@
 
 // MKL's vector math functions (VML), weakly linked: nullptr where the torch this
 // extension links has no MKL. ATen's own float log, acos and asin call them; here
-// they give the value of acos and asin at the op's domain clamp (about 1 ulp,
-// several times faster than Sleef's AVX-512 functions on CPUs of this kind), and
+// they give the value of acos and asin at the op's domain clamp (about 1 ulp;
+// on Intel's CPUs several times faster than Sleef's AVX-512 functions, elsewhere
+// slower: vml_enabled below), and
 // of log and log1p in float64 and where float has no AVX-512. Float log and
 // log1p on AVX-512 go through the vector loop instead: vec_double_math.h's
 // (float32 results; faster than VML and correctly rounded) and, for log with

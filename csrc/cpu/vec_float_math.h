@@ -6,7 +6,7 @@
 // bfloat16 or float16, at about 0.65x the time of vec_double_math.h's log.
 // Special values as C's: x < 0 and -inf NaN, +-0 -inf, inf inf, NaN NaN.
 //
-// x = 2^e m with m in [1, 2); the top four bits of m pick c_i, and
+// x = 2^e m with m in [1, 2); the top four bits of m pick c_i (vec_double_math.h's), and
 // ln x = e ln 2 + ln c_i + ln(1 + f), f = m / c_i - 1 (one fma with the stored
 // float 1 / c_i; ln c_i is minus the ln of that stored value, split as hi + lo
 // floats). c_0 = 1 and c_15 = 2 keep ln x accurate relative to its size next
@@ -22,19 +22,22 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 
+#include <array>
 #include <cmath>
 
 #include "cpu/vec.h"
+#include "cpu/vec_double_math.h"  // its table of 1 / c_i
 
 namespace nanfree {
 namespace cpu {
 namespace float_math {
 
-alignas(64) inline constexpr float kInverse[16] = {
-    1.0f, 0.9142857193946838f, 0.8648648858070374f, 0.8205128312110901f,
-    0.7804877758026123f, 0.7441860437393188f, 0.7111111283302307f, 0.6808510422706604f,
-    0.6530612111091614f, 0.6274510025978088f, 0.6037735939025879f, 0.581818163394928f,
-    0.5614035129547119f, 0.5423728823661804f, 0.5245901346206665f, 0.5f};
+// vec_double_math.h's 1 / c_i rounded to float: the same c_i.
+alignas(64) inline constexpr std::array<float, 16> kInverse = [] {
+  std::array<float, 16> inverse{};
+  for (int i = 0; i < 16; ++i) inverse[i] = static_cast<float>(double_math::kInverse[i]);
+  return inverse;
+}();
 // -ln of kInverse[i] = hi + lo; c_15 = 2: ln2_hi and ln2_lo (the cancellation at e = -1).
 alignas(64) inline constexpr float kLnHi[16] = {
     0.0f, 0.08961215615272522f, 0.14518198370933533f, 0.19782572984695435f,
@@ -57,7 +60,7 @@ inline __m512 log(const __m512 x) {
   // The index from m's bits, not x's: a subnormal x's top bits are not its mantissa's.
   // permutexvar reads an index's low four bits: the mantissa's top four.
   const __m512i idx = _mm512_srli_epi32(_mm512_castps_si512(m), 19);
-  const __m512 inverse = _mm512_permutexvar_ps(idx, _mm512_load_ps(kInverse));
+  const __m512 inverse = _mm512_permutexvar_ps(idx, _mm512_load_ps(kInverse.data()));
   const __m512 ln_c_hi = _mm512_permutexvar_ps(idx, _mm512_load_ps(kLnHi));
   const __m512 ln_c_lo = _mm512_permutexvar_ps(idx, _mm512_load_ps(kLnLo));
   const __m512 f = _mm512_fmsub_ps(m, inverse, _mm512_set1_ps(1.0f));
