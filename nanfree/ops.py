@@ -399,6 +399,15 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
 # --- elementwise ops with finite gradients (docs/elementwise.md) -----------------------
 
 
+def _autocast_on(device_type):
+    """Whether autocast is on for the device type. torch's out= overloads are on no
+    autocast list, so an op given `out` computes in its inputs' dtype under
+    autocast too: nanfree's ops given `out` run with autocast off (CUDA autocast's
+    atan2 row would otherwise refuse a bfloat16 input under float16 autocast,
+    and log's would compute in float32)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _unary(op, input, out):
     """torch.<op>(input, out=out) through nanfree's op of that name: its C++ entry
     point (nanfree._C.<op>, about a microsecond less than torch.ops), or torch.ops
@@ -410,6 +419,9 @@ def _unary(op, input, out):
         check_tensors(op, input=input)
         if out is not None:
             check_tensors(op, out=out)
+            if _autocast_on(input.device.type):
+                with torch.autocast(input.device.type, enabled=False):
+                    return _unary(op, input, out)
             if torch.is_grad_enabled() and (input.requires_grad or out.requires_grad):
                 raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't "
                                    f"support automatic differentiation, but one of the "
@@ -544,6 +556,10 @@ def _binary(op, input, other, out, other_name="other"):
             raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
                                f"automatic differentiation, but one of the arguments requires "
                                f"grad (as torch.{op})")
+        device_type = (input if isinstance(input, torch.Tensor) else other).device.type
+        if _autocast_on(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return _binary(op, input, other, out, other_name)
     if (op in ("pow", "div_no_nan") and isinstance(input, torch.Tensor)
             and input.dtype in (torch.float16, torch.bfloat16) and is_number(other)
             and not _exact_in(input.dtype, other)):

@@ -39,14 +39,16 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
 fi
 python3 -c "import nanfree, json; print(json.dumps(nanfree.backend_info()['ops']['softmax']))"
 
-# SIGINT at the limit: pytest still prints its summary of the failures so far.
+# SIGINT at the limit: pytest still prints its summary of the failures so far, if
+# its workers stop within 30 s (else it is killed, without a summary: -v names
+# every result as it comes, so the log holds the failures either way).
 # Compiling Triton's kernels dominates its pass (about 43% of it in 140 s on 9 workers).
-pytest=(python3 -m pytest -q -p no:cacheprovider -rfE --tb=line)
+pytest=(python3 -m pytest -v -p no:cacheprovider -rfE --tb=line)
 checks=" ${CHECKS:-cuda triton memcheck racecheck extra} "
 selected() { [[ "$checks" == *" $1 "* ]]; }
-selected cuda && timeout -s INT -k 10 "$limit" "${pytest[@]}" -n "${CUDA_WORKERS:-4}" \
+selected cuda && timeout -s INT -k 30 "$limit" "${pytest[@]}" -n "${CUDA_WORKERS:-4}" \
   -k "${CUDA_SELECT:-cuda or not cpu}" tests >"$logs/cuda.log" 2>&1 &
-selected triton && NANFREE_BACKEND=triton timeout -s INT -k 10 "$limit" "${pytest[@]}" \
+selected triton && NANFREE_BACKEND=triton timeout -s INT -k 30 "$limit" "${pytest[@]}" \
   -n "${TRITON_WORKERS:-9}" -m "not backend_independent" tests >"$logs/triton.log" 2>&1 &
 selected memcheck && timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 \
   "${pytest[@]}" -k cuda ${MEMCHECK_TESTS:-tests/test_*_special_values.py} >"$logs/memcheck.log" 2>&1 &
@@ -68,8 +70,9 @@ fi
 for log in cuda triton memcheck racecheck extra; do
   selected "$log" || continue
   echo "=== $log"
-  grep -E "^(FAILED|ERROR)|^FAIL |passed|failed|ERROR SUMMARY|Hazard|Invalid|RACECHECK SUMMARY|smoke:" \
+  grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) |^FAIL | passed|ERROR SUMMARY|Hazard|Invalid|RACECHECK SUMMARY|smoke:" \
     "$logs/$log.log" | head -25
+  grep -oE "\[ *[0-9]+%\]" "$logs/$log.log" | tail -1
   tail -2 "$logs/$log.log"
 done
 tar czf "$logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
