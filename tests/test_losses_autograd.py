@@ -119,7 +119,9 @@ def _ce_inputs(device, dtype, shape, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7,), (6, 5), (3, 5, 4), (2, 4, 3, 2)])
+# (4, 16): classes a multiple of every dtype's 16-byte vector, which the CUDA
+# kernels read in vectors; the others in single logits (inner > 1 too).
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (4, 16), (3, 5, 4), (2, 4, 3, 2)])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_cross_entropy_as_torch(device, dtype, shape, reduction):
     gen = torch.Generator().manual_seed(5)
@@ -141,15 +143,16 @@ def test_cross_entropy_as_torch(device, dtype, shape, reduction):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_mask_as_masked_fill(device, dtype):
+@pytest.mark.parametrize("classes", [10, 16])  # 16: the CUDA kernels' vector reads
+def test_cross_entropy_mask_as_masked_fill(device, dtype, classes):
     """mask=... equals torch's cross_entropy of input.masked_fill(~mask, -inf)
     where torch's is finite (no label smoothing; every target kept)."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(8, 10, generator=gen).to(device, dtype)
-    mask = torch.rand(8, 10, generator=gen) > 0.4
+    x = torch.randn(8, classes, generator=gen).to(device, dtype)
+    mask = torch.rand(8, classes, generator=gen) > 0.4
     y = torch.multinomial(mask.float() + 1e-9, 1, generator=gen).squeeze(1)
     mask, y = mask.to(device), y.to(device)
-    for m in (mask, mask.to(torch.int32), mask[:1].expand(8, 10)):
+    for m in (mask, mask.to(torch.int32), mask[:1].expand(8, classes)):
         keep = m != 0
         if not keep.gather(1, y[:, None]).all():
             continue

@@ -25,14 +25,18 @@
 // where label smoothing or a probability target needs it, sums q_c and the
 // terms -q_c log p_c; each pass ends in a group reduction of
 // device_common.cuh (a butterfly over the group's lanes, then its warps
-// through shared memory in a fixed order). The backward is elementwise: one
-// thread per logit, through ce_grad_input / ce_grad_target with the forward's
-// statistics.
+// through shared memory in a fixed order). Where the classes are contiguous
+// (inner 1) and every row starts 16-byte aligned, each thread reads 16-byte
+// vectors of consecutive classes. The backward computes each logit's gradient
+// through ce_grad_input / ce_grad_target with the forward's statistics: for
+// inner 1 by the forward's groups of threads per row (vectors as there; the
+// row's statistics read once), else one thread per logit of the flat array.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "cuda/device_common.cuh"
@@ -262,6 +266,19 @@ __device__ __forceinline__ CrossEntropyPosition<scalar_t> position_of(
                                         p.mask.col_stride};
 }
 
+// Logits c0 .. c0 + kVec - 1 of a position: one 16-byte load where kVec > 1
+// (the launcher passes kVec > 1 only for contiguous classes, inner 1, whose
+// rows all start 16-byte aligned), else the one logit c0.
+template <int kVec, typename scalar_t>
+__device__ __forceinline__ void load_logits(const CrossEntropyPosition<scalar_t>& pos, int64_t c0,
+                                            acc_of_t<scalar_t> (&xs)[kVec]) {
+  if constexpr (kVec == 1) {
+    xs[0] = pos.logit(c0);
+  } else {
+    load_acc<kVec>(pos.x + c0, xs);
+  }
+}
+
 // q_c of class c (losses_math.h): the index target's (y the target class, or
 // -1 where the position is left out) or the probability target's.
 template <typename scalar_t>
@@ -283,7 +300,8 @@ __device__ __forceinline__ acc_of_t<scalar_t> class_q(const CrossEntropyProblem<
 // Loss and statistics of every position (o, i), with the rules of the CPU's
 // forward_scalar: a left-out position (ignored target, target class not kept,
 // no kept class) gets loss 0 and ce_left_out().
-template <typename scalar_t>
+// Thread t of a group reads the classes [c0, c0 + kVec) for c0 = (t + j G) kVec.
+template <int kVec, typename scalar_t>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_forward_kernel(CrossEntropyProblem<scalar_t> p,
                                  acc_of_t<scalar_t>* __restrict__ loss,
@@ -318,13 +336,18 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     // Pass 1: the largest kept logit and the count of the kept classes. A NaN
     // logit is skipped by the max (xc > max is false), as lse_update skips it.
+    const int64_t first = static_cast<int64_t>(t) * kVec, step = static_cast<int64_t>(G) * kVec;
     acc_t row_max[1] = {-nf_inf<acc_t>()};
     long long count[1] = {0};
-    for (int64_t c = t; live && c < classes; c += G) {
-      const acc_t xc = pos.logit(c);
-      if (!pos.kept(c, xc)) continue;
-      if (xc > row_max[0]) row_max[0] = xc;
-      ++count[0];
+    for (int64_t c0 = first; live && c0 < classes; c0 += step) {
+      acc_t xs[kVec];
+      load_logits<kVec>(pos, c0, xs);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (!pos.kept(c0 + k, xs[k])) continue;
+        if (xs[k] > row_max[0]) row_max[0] = xs[k];
+        ++count[0];
+      }
     }
     group_reduce<1>(row_max, G, partial_acc, MaxOp());
     group_reduce<1>(count, G, partial_count, SumOp());
@@ -335,9 +358,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     // with a NaN logit), one exp per class as the CPU's vector path: no
     // rescaling of partial sums at each merge.
     acc_t exp_sum[1] = {acc_t(0)};
-    for (int64_t c = t; live && c < classes; c += G) {
-      const acc_t xc = pos.logit(c);
-      if (pos.kept(c, xc)) exp_sum[0] += lse_scale(xc, row_max[0]);
+    for (int64_t c0 = first; live && c0 < classes; c0 += step) {
+      acc_t xs[kVec];
+      load_logits<kVec>(pos, c0, xs);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (pos.kept(c0 + k, xs[k])) exp_sum[0] += lse_scale(xs[k], row_max[0]);
+      }
     }
     group_reduce<1>(exp_sum, G, partial_acc, SumOp());
 
@@ -351,12 +378,16 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (sums) {
       const scalar_t* prob_position =
           p.prob != nullptr ? p.prob + o * classes * inner + i : nullptr;
-      for (int64_t c = t; live && c < classes; c += G) {
-        const acc_t xc = pos.logit(c);
-        if (!pos.kept(c, xc)) continue;
-        const acc_t qc = class_q(p, prob_position, c, int64_t(-1), st.smoothing);
-        sum[0] += qc;
-        sum[1] += ce_term(qc, ce_log_probability(xc, st));
+      for (int64_t c0 = first; live && c0 < classes; c0 += step) {
+        acc_t xs[kVec];
+        load_logits<kVec>(pos, c0, xs);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          if (!pos.kept(c0 + k, xs[k])) continue;
+          const acc_t qc = class_q(p, prob_position, c0 + k, int64_t(-1), st.smoothing);
+          sum[0] += qc;
+          sum[1] += ce_term(qc, ce_log_probability(xs[k], st));
+        }
       }
       group_reduce<2>(sum, G, partial_acc, SumOp());
     }
@@ -389,8 +420,34 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// grad_input (and grad_target when not nullptr) of every logit (o, c, i),
-// with the rules of the CPU's backward_scalar.
+// grad_input (and, with_target, grad_target) of logit c of a position with
+// the forward's statistics st, upstream g, target class y (-1: none or left
+// out), mask entry keep and probability target prob_position (nullptr: index
+// target), with the rules of the CPU's backward_scalar.
+template <typename scalar_t>
+__device__ __forceinline__ void ce_backward_element(const CrossEntropyProblem<scalar_t>& p,
+                                                    const CrossEntropyStats<acc_of_t<scalar_t>>& st,
+                                                    acc_of_t<scalar_t> g, int64_t y, bool keep,
+                                                    const scalar_t* prob_position, int64_t c,
+                                                    acc_of_t<scalar_t> xc, acc_of_t<scalar_t> bound,
+                                                    bool with_target, acc_of_t<scalar_t>& grad_x,
+                                                    acc_of_t<scalar_t>& grad_t) {
+  using acc_t = acc_of_t<scalar_t>;
+  const bool kept = ce_class_kept(xc, keep);
+  const acc_t qc = kept ? class_q(p, prob_position, c, y, st.smoothing) : acc_t(0);
+  grad_x = ce_grad_input(g, xc, qc, kept, st, bound);
+  if (with_target) grad_t = ce_grad_target(g, xc, class_weight(p.weight, c), p.eps, kept, st, bound);
+}
+
+// The forward's statistics of position r.
+template <typename acc_t>
+__device__ __forceinline__ CrossEntropyStats<acc_t> position_stats(const acc_t* stats, int64_t r) {
+  const acc_t* s = stats + r * kCrossEntropyStats;
+  return CrossEntropyStats<acc_t>{s[0], s[1], s[2], s[3], s[4]};
+}
+
+// Any layout: one thread per logit (o, c, i), found from its flat index by two
+// divisions.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFlatThreads)
     cross_entropy_backward_kernel(CrossEntropyProblem<scalar_t> p,
@@ -409,20 +466,56 @@ __global__ void __launch_bounds__(kFlatThreads)
     const int64_t o = oc / classes;
     const int64_t c = oc - o * classes;
     const int64_t r = o * inner + i;
-    const acc_t* s = stats + r * kCrossEntropyStats;
-    const CrossEntropyStats<acc_t> st{s[0], s[1], s[2], s[3], s[4]};
-    const acc_t g = grad[r];
-    const acc_t xc = to_acc(p.input[e]);
     const bool keep = p.mask.data == nullptr ||
                       p.mask.data[mask_offset(p.mask, o, i) + c * p.mask.col_stride];
-    const bool kept = ce_class_kept(xc, keep);
     const int64_t y = p.index != nullptr ? target_class(p.index[r], p.ignore_index, classes) : -1;
     const scalar_t* prob_position = p.prob != nullptr ? p.prob + (e - c * inner) : nullptr;
-    const acc_t qc = kept ? class_q(p, prob_position, c, y, st.smoothing) : acc_t(0);
-    grad_input[e] = FromAcc<scalar_t>::cast(ce_grad_input(g, xc, qc, kept, st, bound));
-    if (grad_target != nullptr) {
-      const acc_t dt = ce_grad_target(g, xc, class_weight(p.weight, c), p.eps, kept, st, bound);
-      grad_target[e] = FromAcc<scalar_t>::cast(dt);
+    acc_t grad_x, grad_t = acc_t(0);
+    ce_backward_element(p, position_stats(stats, r), grad[r], y, keep, prob_position, c,
+                        to_acc(p.input[e]), bound, grad_target != nullptr, grad_x, grad_t);
+    grad_input[e] = FromAcc<scalar_t>::cast(grad_x);
+    if (grad_target != nullptr) grad_target[e] = FromAcc<scalar_t>::cast(grad_t);
+  }
+}
+
+// Classes contiguous (inner 1): a group of G threads per row, as the forward's,
+// each thread kVec consecutive logits per 16-byte access (kVec > 1 only where
+// every row starts aligned), the row's statistics read once; no division per logit.
+template <int kVec, typename scalar_t>
+__global__ void __launch_bounds__(kMaxThreads)
+    cross_entropy_backward_rows_kernel(CrossEntropyProblem<scalar_t> p,
+                                       const acc_of_t<scalar_t>* __restrict__ grad,
+                                       const acc_of_t<scalar_t>* __restrict__ stats,
+                                       scalar_t* __restrict__ grad_input,
+                                       scalar_t* __restrict__ grad_target, int G) {
+  using acc_t = acc_of_t<scalar_t>;
+  const acc_t bound = largest_finite<scalar_t>();
+  const int groups = blockDim.x / G;
+  const int t = threadIdx.x % G;
+  const int64_t classes = p.layout.n, rows = p.layout.outer;
+  const bool with_target = grad_target != nullptr;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * groups + threadIdx.x / G; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * groups) {
+    const CrossEntropyStats<acc_t> st = position_stats(stats, r);
+    const acc_t g = grad[r];
+    const int64_t y = p.index != nullptr ? target_class(p.index[r], p.ignore_index, classes) : -1;
+    const bool* mask = p.mask.data != nullptr ? p.mask.data + mask_offset(p.mask, r, 0) : nullptr;
+    const scalar_t* prob_position = p.prob != nullptr ? p.prob + r * classes : nullptr;
+    const CrossEntropyPosition<scalar_t> pos{p.input + r * classes, mask, 1, p.mask.col_stride};
+    for (int64_t c0 = static_cast<int64_t>(t) * kVec; c0 < classes;
+         c0 += static_cast<int64_t>(G) * kVec) {
+      acc_t xs[kVec], grad_x[kVec], grad_t[kVec];
+      load_logits<kVec>(pos, c0, xs);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const int64_t c = c0 + k;
+        const bool keep = mask == nullptr || mask[c * p.mask.col_stride];
+        grad_t[k] = acc_t(0);
+        ce_backward_element(p, st, g, y, keep, prob_position, c, xs[k], bound, with_target,
+                            grad_x[k], grad_t[k]);
+      }
+      store_acc<kVec>(grad_input + r * classes + c0, grad_x);
+      if (with_target) store_acc<kVec>(grad_target + r * classes + c0, grad_t);
     }
   }
 }
@@ -438,6 +531,19 @@ int forward_group(ReductionLayout layout) {
   const int by_work = next_pow2(threads < kMaxThreads ? threads : kMaxThreads);
   const int least = layout.n < kWarp ? next_pow2(layout.n) : kWarp;
   return by_work > least ? by_work : least;  // both at most kMaxThreads
+}
+
+// Whether every row of the [outer, C] arrays (inner 1) can be read in 16-byte
+// vectors: C a multiple of the vector width and each array (nullptr: absent)
+// 16-byte aligned.
+template <typename scalar_t>
+bool rows_vectorizable(const CrossEntropyProblem<scalar_t>& p,
+                       std::initializer_list<const scalar_t*> arrays) {
+  if (p.layout.inner != 1 || p.layout.n % vec_width<scalar_t>() != 0) return false;
+  for (const scalar_t* a : arrays) {
+    if (a != nullptr && !aligned16(a)) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -495,8 +601,10 @@ cudaError_t cross_entropy_forward(CrossEntropyProblem<scalar_t> problem, acc_of_
   if (positions <= 0) return cudaSuccess;
   Plan plan{false, 0, forward_group(problem.layout), 0, 0};
   plan = finish_plan(plan, positions);
-  return launch(cross_entropy_forward_kernel<scalar_t>, plan.blocks, plan.threads, stream, problem,
-                loss, stats, plan.group);
+  return dispatch_vec<scalar_t>(rows_vectorizable(problem, {problem.input}), [&](auto vec_c) {
+    return launch(cross_entropy_forward_kernel<decltype(vec_c)::value, scalar_t>, plan.blocks,
+                  plan.threads, stream, problem, loss, stats, plan.group);
+  });
 }
 
 template <typename scalar_t>
@@ -506,8 +614,17 @@ cudaError_t cross_entropy_backward(CrossEntropyProblem<scalar_t> problem,
                                    scalar_t* grad_target, cudaStream_t stream) {
   const int64_t n = problem.layout.outer * problem.layout.n * problem.layout.inner;
   if (n <= 0) return cudaSuccess;
-  return launch(cross_entropy_backward_kernel<scalar_t>, ceil_div(n, kFlatThreads), kFlatThreads,
-                stream, problem, grad, stats, grad_input, grad_target);
+  if (problem.layout.inner != 1) {
+    return launch(cross_entropy_backward_kernel<scalar_t>, ceil_div(n, kFlatThreads), kFlatThreads,
+                  stream, problem, grad, stats, grad_input, grad_target);
+  }
+  Plan plan{false, 0, forward_group(problem.layout), 0, 0};
+  plan = finish_plan(plan, problem.layout.outer);
+  const bool vec = rows_vectorizable(problem, {problem.input, grad_input, grad_target});
+  return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
+    return launch(cross_entropy_backward_rows_kernel<decltype(vec_c)::value, scalar_t>, plan.blocks,
+                  plan.threads, stream, problem, grad, stats, grad_input, grad_target, plan.group);
+  });
 }
 
 NANFREE_LOSSES_LAUNCHERS(, float)
