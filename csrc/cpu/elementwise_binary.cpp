@@ -164,16 +164,7 @@ PowExponent known_exponent(const at::Tensor& exponent) {
 // (kOther for every other op and exponent): one instantiation each.
 template <BinaryOp op, typename F>
 void dispatch_exponent(PowExponent exponent, F&& f) {
-  using K = PowExponent;
-  switch (op == BinaryOp::kPow ? exponent : K::kOther) {
-    case K::kTwo: f(std::integral_constant<K, K::kTwo>{}); break;
-    case K::kThree: f(std::integral_constant<K, K::kThree>{}); break;
-    case K::kHalf: f(std::integral_constant<K, K::kHalf>{}); break;
-    case K::kMinusHalf: f(std::integral_constant<K, K::kMinusHalf>{}); break;
-    case K::kMinusOne: f(std::integral_constant<K, K::kMinusOne>{}); break;
-    case K::kMinusTwo: f(std::integral_constant<K, K::kMinusTwo>{}); break;
-    default: f(std::integral_constant<K, K::kOther>{});
-  }
+  with_pow_exponent(op == BinaryOp::kPow ? exponent : PowExponent::kOther, f);
 }
 
 // The element of an order and partial: pow's at a known exponent, else the header's.

@@ -3,7 +3,9 @@
 // and element type (and one per op and type writing both gradients) over flat arrays, 16-byte vector accesses when every
 // pointer of a full-length operand allows them (a step-0 operand is one
 // element, read once per vector), each element through binary_element of
-// nanfree/elementwise_binary_math.h in the accumulation type.
+// nanfree/elementwise_binary_math.h in the accumulation type; pow with a
+// one-element exponent that pow_at_exponent knows (2, 3, 0.5, -0.5, -1, -2: a
+// Python number) through that form (a * a for 2), as the CPU kernels.
 #include <cstdint>
 
 #include "cuda/device_common.cuh"
@@ -34,13 +36,37 @@ __device__ __forceinline__ void load_operand(const scalar_t* p, int64_t step, in
   }
 }
 
+// One element of op's order and partial; for pow where the exponent is e for
+// every element (kOther: not known), pow_at_exponent's form, as the CPU kernels.
+template <BinaryOp op, PowExponent e, int order, int partial, typename T>
+__device__ __forceinline__ T element_at(T g, T a, T b, T bound) {
+  if constexpr (op == BinaryOp::kPow) {
+    return pow_element_at_exponent<e, order, partial>(g, a, b, bound);
+  } else {
+    return binary_element<op, order, partial>(g, a, b, bound);
+  }
+}
+
+// Whether pow_element_at_exponent has a form of its own for this order and
+// partial (the value, d/da, d2/da2); the partials in b take the general pow.
+template <BinaryOp op, int order, int partial>
+constexpr bool kKnownExponentForm = op == BinaryOp::kPow && partial == 0;
+
+// f(std::integral_constant<PowExponent, e>) with the kind of pow's one-element
+// exponent b[0] (kOther where pow_at_exponent has no form for it). Every
+// thread reads the same b[0], so the kind is the same grid-wide: no divergence.
+template <typename scalar_t, typename F>
+__device__ __forceinline__ void dispatch_exponent(const scalar_t* b, F&& f) {
+  with_pow_exponent(pow_exponent_kind(static_cast<double>(to_acc(b[0]))), f);
+}
+
 // Elements [0, n) in chunks of kVec (the caller makes n a multiple of kVec for
-// kVec > 1 and passes the tail to a kVec = 1 launch).
-template <BinaryOp op, int order, int partial, int kVec, typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    binary_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
-                  int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
-                  scalar_t* __restrict__ out) {
+// kVec > 1 and passes the tail to a kVec = 1 launch), with pow's exponent kind e.
+template <BinaryOp op, PowExponent e, int order, int partial, int kVec, typename scalar_t>
+__device__ __forceinline__ void binary_loop(const scalar_t* __restrict__ grad,
+                                            const scalar_t* __restrict__ a, int64_t a_step,
+                                            const scalar_t* __restrict__ b, int64_t b_step,
+                                            int64_t n, scalar_t* __restrict__ out) {
   using acc_t = acc_of_t<scalar_t>;
   const acc_t bound = largest_finite<scalar_t>();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVec;
@@ -56,17 +82,36 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < kVec; ++k) gs[k] = acc_t(0);
     }
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) ys[k] = binary_element<op, order, partial>(gs[k], as[k], bs[k], bound);
+    for (int k = 0; k < kVec; ++k) {
+      ys[k] = element_at<op, e, order, partial>(gs[k], as[k], bs[k], bound);
+    }
     store_acc<kVec>(out + i, ys);
   }
 }
 
-// Both gradients of elements [0, n) in chunks of kVec (as binary_kernel).
-template <BinaryOp op, int kVec, typename scalar_t>
+template <BinaryOp op, int order, int partial, int kVec, typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    gradients_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
-                     int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
-                     scalar_t* __restrict__ grad_a, scalar_t* __restrict__ grad_b) {
+    binary_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
+                  int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
+                  scalar_t* __restrict__ out) {
+  if constexpr (kKnownExponentForm<op, order, partial>) {
+    if (b_step == 0) {  // one exponent for every element
+      dispatch_exponent(b, [&](auto e) {
+        binary_loop<op, decltype(e)::value, order, partial, kVec>(grad, a, a_step, b, b_step, n, out);
+      });
+      return;
+    }
+  }
+  binary_loop<op, PowExponent::kOther, order, partial, kVec>(grad, a, a_step, b, b_step, n, out);
+}
+
+// Both gradients of elements [0, n) in chunks of kVec (as binary_loop).
+template <BinaryOp op, PowExponent e, int kVec, typename scalar_t>
+__device__ __forceinline__ void gradients_loop(const scalar_t* __restrict__ grad,
+                                               const scalar_t* __restrict__ a, int64_t a_step,
+                                               const scalar_t* __restrict__ b, int64_t b_step,
+                                               int64_t n, scalar_t* __restrict__ grad_a,
+                                               scalar_t* __restrict__ grad_b) {
   using acc_t = acc_of_t<scalar_t>;
   const acc_t bound = largest_finite<scalar_t>();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVec;
@@ -78,11 +123,29 @@ __global__ void __launch_bounds__(kThreads)
     load_acc<kVec>(grad + i, gs);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      nanfree::binary_gradients<op>(gs[k], as[k], bs[k], bound, ga[k], gb[k]);
+      // binary_gradients' two order-1 elements, d/da at pow's known exponent.
+      ga[k] = element_at<op, e, 1, 0>(gs[k], as[k], bs[k], bound);
+      gb[k] = element_at<op, e, 1, 1>(gs[k], as[k], bs[k], bound);
     }
     store_acc<kVec>(grad_a + i, ga);
     store_acc<kVec>(grad_b + i, gb);
   }
+}
+
+template <BinaryOp op, int kVec, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    gradients_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
+                     int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
+                     scalar_t* __restrict__ grad_a, scalar_t* __restrict__ grad_b) {
+  if constexpr (op == BinaryOp::kPow) {
+    if (b_step == 0) {  // one exponent for every element
+      dispatch_exponent(b, [&](auto e) {
+        gradients_loop<op, decltype(e)::value, kVec>(grad, a, a_step, b, b_step, n, grad_a, grad_b);
+      });
+      return;
+    }
+  }
+  gradients_loop<op, PowExponent::kOther, kVec>(grad, a, a_step, b, b_step, n, grad_a, grad_b);
 }
 
 }  // namespace

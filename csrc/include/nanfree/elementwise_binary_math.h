@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "nanfree/elementwise_math.h"
 #include "nanfree/numerics.h"
@@ -130,13 +131,14 @@ NF_HOST_DEVICE T pow_dbb(T a, T b) {
 //
 // The exponents torch's CPU pow computes without pow (2, 3, 0.5, -0.5, -1, -2),
 // for a kernel that knows b is one of them for every element (a Python number
-// or a 0-d exponent): the value and the derivatives in the base a, under the
+// or a 0-d exponent; the CPU kernels read it on the host, the CUDA kernels in
+// every thread, the same kind grid-wide): the value and the derivatives in the base a, under the
 // same rules as pow_value, pow_da and pow_daa at that b (the partials in b
 // need log(a) and take the general functions).
 
 enum class PowExponent : int { kOther, kTwo, kThree, kHalf, kMinusHalf, kMinusOne, kMinusTwo };
 
-inline PowExponent pow_exponent_kind(double b) {
+NF_HOST_DEVICE PowExponent pow_exponent_kind(double b) {
   if (b == 2.0) return PowExponent::kTwo;
   if (b == 3.0) return PowExponent::kThree;
   if (b == 0.5) return PowExponent::kHalf;
@@ -144,6 +146,22 @@ inline PowExponent pow_exponent_kind(double b) {
   if (b == -1.0) return PowExponent::kMinusOne;
   if (b == -2.0) return PowExponent::kMinusTwo;
   return PowExponent::kOther;
+}
+
+// f(std::integral_constant<PowExponent, e>) for the kind e: one instantiation
+// of f per kind, for the kernels that take pow_at_exponent's forms.
+template <typename F>
+NF_HOST_DEVICE void with_pow_exponent(PowExponent kind, F&& f) {
+  using K = PowExponent;
+  switch (kind) {
+    case K::kTwo: f(std::integral_constant<K, K::kTwo>{}); return;
+    case K::kThree: f(std::integral_constant<K, K::kThree>{}); return;
+    case K::kHalf: f(std::integral_constant<K, K::kHalf>{}); return;
+    case K::kMinusHalf: f(std::integral_constant<K, K::kMinusHalf>{}); return;
+    case K::kMinusOne: f(std::integral_constant<K, K::kMinusOne>{}); return;
+    case K::kMinusTwo: f(std::integral_constant<K, K::kMinusTwo>{}); return;
+    default: f(std::integral_constant<K, K::kOther>{});
+  }
 }
 
 // The value (order 0), d/da (1) or d2/da2 (2) of a^e for the exponent e.
