@@ -216,3 +216,24 @@ def test_nan_stays_in_its_row(device):
         out = _run(op, x, None)
         nan_rows = torch.isnan(out).reshape(6, -1).any(dim=-1)
         assert nan_rows.tolist() == [False, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("cols", [3, 67])  # one vector or part of one; several and a tail
+def test_softmax_backward_where_g_minus_dot_overflows(dtype, cols, device):
+    """softmax's gradient y (g - dot) where g - dot itself overflows (g of +-max in a
+    row whose dot is a third of max): the exact gradient is finite, -4 max / 9 at the
+    entry of -max in a row of equal outputs of 3, and the kernels must give it (the CPU's
+    fast loop computes y (g - dot) and redoes such a row with g and dot halved)."""
+    big = torch.finfo(dtype).max
+    x = torch.zeros(2, cols, dtype=dtype, device=device, requires_grad=True)
+    g = torch.zeros(2, cols, dtype=torch.float64)
+    g[0, :3] = torch.tensor([big, big, -big], dtype=torch.float64)
+    g[1, :3] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # an ordinary row beside it
+    y = nf.softmax(x, -1)
+    (dx,) = torch.autograd.grad(y, x, g.to(dtype).to(device))
+    y64 = torch.full((2, cols), 1.0 / cols, dtype=torch.float64)
+    half_dot = (0.5 * g * y64).sum(-1, keepdim=True)  # halved: float64's max needs it too
+    expected = 2 * (y64 * (0.5 * g - half_dot))
+    assert torch.isfinite(expected).all() and torch.isfinite(dx).all(), dx
+    torch.testing.assert_close(dx.cpu().double(), expected, rtol=8 * torch.finfo(dtype).eps, atol=0)
