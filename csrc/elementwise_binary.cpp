@@ -10,7 +10,9 @@
 // refused clearly. Where both inputs need a gradient and no graph is recorded,
 // the node calls <op>_gradients instead: both in one pass over grad and the
 // inputs (not differentiable itself: it refuses with a clear error).
+#include <pybind11/pybind11.h>
 #include <torch/autograd.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <string>
@@ -21,6 +23,7 @@
 #include "common/elementwise_op.h"
 #include "common/find_op.h"
 #include "nanfree/elementwise_binary_math.h"
+#include "python_module.h"
 
 namespace nanfree {
 namespace {
@@ -52,6 +55,13 @@ const c10::TypedOperatorHandle<BinaryGradientsSignature>& binary_gradients_handl
   static const auto handle =
       find_op<BinaryGradientsSignature>(std::string("nanfree::") + binary_gradients_name(op));
   return handle;
+}
+
+// The op through the whole dispatcher, autograd included: nanfree.ops' entry
+// point for two tensors (nanfree._C.<op>), a call without torch.ops' Python layers.
+template <BinaryOp op>
+at::Tensor binary_entry(const at::Tensor& input, const at::Tensor& other) {
+  return binary_handle<op>().call(input, other);
 }
 
 // <op>_gradients through the dispatcher (its Autograd kernel below).
@@ -210,5 +220,14 @@ struct BinaryAutograd {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nanfree, Autograd, m) { register_binary_kernels<BinaryAutograd>(m); }
+
+void bind_elementwise_binary(pybind11::module_& m) {
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("pow", &binary_entry<BinaryOp::kPow>, release);
+  m.def("atan2", &binary_entry<BinaryOp::kAtan2>, release);
+  m.def("div_no_nan", &binary_entry<BinaryOp::kDivNoNan>, release);
+  m.def("xlogy", &binary_entry<BinaryOp::kXlogy>, release);
+  m.def("xlog1py", &binary_entry<BinaryOp::kXlog1py>, release);
+}
 
 }  // namespace nanfree

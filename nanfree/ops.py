@@ -546,7 +546,16 @@ def _binary(op, input, other, out, other_name="other"):
     number unrounded (its other ops, and a number first, round the number to the
     tensor's dtype): where the number is not a value of that dtype, so do pow and
     div_no_nan here (the tensor widened, the result rounded once, as the kernels
-    round it)."""
+    round it). Two plain tensors without `out` go straight to the op's C++ entry
+    point (nanfree._C.<op>, about a microsecond less than torch.ops), as the unary
+    ops do."""
+    if (out is None and type(input) is torch.Tensor and type(other) is torch.Tensor
+            and not _is_compiling()):
+        try:
+            return getattr(_C, op)(input, other)
+        except RuntimeError:
+            refuse_torch_func(op, input, other)
+            raise
     if not isinstance(input, torch.Tensor) and not isinstance(other, torch.Tensor):
         check_tensors(op, input=input)  # one argument must be a tensor, as torch's
     if out is not None:
