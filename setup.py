@@ -15,7 +15,9 @@
   GPU or nvcc.
 
 Environment:
-- ``NANFREE_CUDA=0|1|auto`` (default auto): 1 fails the build when CUDA cannot be built.
+- ``NANFREE_CUDA=0|1|auto|only`` (default auto): 1 fails the build when CUDA cannot be
+  built; only builds ``nanfree._C_cuda`` alone (as 1), for a GPU machine whose torch is
+  given on the path (scripts/gpu_prebuild.sh).
 - ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures (default "8.0;9.0+PTX").
 - ``NANFREE_CPU_ISA=auto|avx2|avx512|default`` (default auto): the x86 vector ISA of the
   CPU kernels; auto picks the best one the build machine has (and with AVX-512, its
@@ -67,8 +69,8 @@ def _find_cuda_home():
 
 
 _cuda_mode = os.environ.get("NANFREE_CUDA", "auto").lower()
-if _cuda_mode not in ("0", "1", "auto"):
-    raise SystemExit(f"NANFREE_CUDA must be 0, 1 or auto, got {_cuda_mode!r}")
+if _cuda_mode not in ("0", "1", "auto", "only"):
+    raise SystemExit(f"NANFREE_CUDA must be 0, 1, auto or only, got {_cuda_mode!r}")
 _cuda_home = _find_cuda_home() if _cuda_mode != "0" else None
 if _cuda_home:
     # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
@@ -166,8 +168,8 @@ def _cuda_extension():
     if problem is None and not glob.glob("csrc/cuda/*.cu"):
         problem = "there are no CUDA kernel sources"
     if problem:
-        if _cuda_mode == "1":
-            raise SystemExit(f"NANFREE_CUDA=1 but {problem}")
+        if _cuda_mode in ("1", "only"):
+            raise SystemExit(f"NANFREE_CUDA={_cuda_mode} but {problem}")
         print(f"nanfree: not building the CUDA extension: {problem}")
         return None
     from torch.utils.cpp_extension import CUDAExtension
@@ -313,6 +315,8 @@ _cuda = _cuda_extension()
 if _cuda is not None:
     ext_modules.append(_cuda)
 ext_modules += _cuda_emulation_extensions()
+if _cuda_mode == "only":
+    ext_modules = [_cuda]
 
 setup(
     packages=find_packages(include=["nanfree", "nanfree.*"]),

@@ -10,7 +10,8 @@
 # Logs go to the folder given as the first argument (default gpu-logs), and
 # into one archive beside it (<folder>.tar.gz).
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (16), CHECK_SECONDS
-# (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build,
+# (the time limit of each check, 400), SKIP_BUILD=1 to reuse the last build (cuda: build
+# all but nanfree._C_cuda, compiled beforehand by scripts/gpu_prebuild.sh),
 # CHECKS (the logs to make, default "cuda triton memcheck racecheck extra"),
 # "bench" among CHECKS runs benchmarks/bench_<family>.py for each of BENCH_FAMILIES
 # (default "elementwise losses debug") after the checks, alone, BENCH_SECONDS (90) each,
@@ -28,7 +29,17 @@ limit="${CHECK_SECONDS:-400}"
 start=$SECONDS
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
+if [[ "${SKIP_BUILD:-0}" == cuda ]]; then
+  # nanfree._C_cuda compiled beforehand for this machine's torch (scripts/gpu_prebuild.sh):
+  # the rest only.
+  if ! MAX_JOBS="${MAX_JOBS:-16}" NANFREE_CUDA=0 python3 setup.py build_ext --inplace \
+      >"$logs/build.log" 2>&1; then
+    tail -40 "$logs/build.log"
+    echo "build failed"
+    exit 1
+  fi
+  echo "build (without the CUDA extension) took $((SECONDS - start)) s"
+elif [[ "${SKIP_BUILD:-0}" != 1 ]]; then
   if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" NANFREE_CUDA=1 \
       python3 setup.py build_ext --inplace >"$logs/build.log" 2>&1; then
     tail -40 "$logs/build.log"
@@ -37,7 +48,17 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
   fi
   echo "build took $((SECONDS - start)) s"
 fi
-python3 -c "import nanfree, json; print(json.dumps(nanfree.backend_info()['ops']['softmax']))"
+# The CUDA kernels load and run (a copied build compiled against another torch would not).
+if ! python3 -c "
+import json, torch, nanfree, nanfree.ops as nf
+print(json.dumps(nanfree.backend_info()['ops']['softmax']))
+assert 'compiled CUDA' in nanfree.backend_info()['ops']['softmax']['cuda']
+x = torch.randn(4, 8, device='cuda')
+print('softmax and log on CUDA:', float(nf.softmax(x, -1).sum()), float(nf.log(x.abs()).sum()))
+"; then
+  echo "the CUDA extension does not load or run"
+  exit 1
+fi
 
 # SIGINT at the limit: pytest still prints its summary of the failures so far, if
 # its workers stop within 30 s (else it is killed, without a summary: -v names
