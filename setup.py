@@ -300,23 +300,26 @@ def _cuda_emulation_extensions():
     return extensions
 
 
-ext_modules = [
-    # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
-    # (OpenMP: nanfree.debug's finiteness scan runs large calls on ATen's threads.)
-    CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
-                 include_dirs=INCLUDE_DIRS,
-                 extra_compile_args={"cxx": CXX_FLAGS + _openmp_flags()},
-                 extra_link_args=_openmp_flags() + LINK_FLAGS),
-    CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
-                 extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags() + _openmp_flags()},
-                 extra_link_args=_openmp_flags() + LINK_FLAGS),
-]
-_cuda = _cuda_extension()
-if _cuda is not None:
-    ext_modules.append(_cuda)
-ext_modules += _cuda_emulation_extensions()
-if _cuda_mode == "only":
-    ext_modules = [_cuda]
+def _all_extensions():
+    extensions = [
+        # Schemas, autograd, autocast and Python entry points: device-independent, loaded first.
+        # (OpenMP: nanfree.debug's finiteness scan runs large calls on ATen's threads.)
+        CppExtension("nanfree._C", sorted(glob.glob("csrc/*.cpp")),
+                     include_dirs=INCLUDE_DIRS,
+                     extra_compile_args={"cxx": CXX_FLAGS + _openmp_flags()},
+                     extra_link_args=_openmp_flags() + LINK_FLAGS),
+        CppExtension("nanfree._C_cpu", sorted(glob.glob("csrc/cpu/*.cpp")), include_dirs=INCLUDE_DIRS,
+                     extra_compile_args={"cxx": CXX_FLAGS + _cpu_isa_flags() + _openmp_flags()},
+                     extra_link_args=_openmp_flags() + LINK_FLAGS),
+    ]
+    cuda = _cuda_extension()
+    if cuda is not None:
+        extensions.append(cuda)
+    return extensions + _cuda_emulation_extensions()
+
+
+# NANFREE_CUDA=only: the CUDA extension alone, for a GPU machine's torch (scripts/gpu_prebuild.sh).
+ext_modules = [_cuda_extension()] if _cuda_mode == "only" else _all_extensions()
 
 setup(
     packages=find_packages(include=["nanfree", "nanfree.*"]),

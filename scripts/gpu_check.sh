@@ -29,25 +29,22 @@ limit="${CHECK_SECONDS:-400}"
 start=$SECONDS
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [[ "${SKIP_BUILD:-0}" == cuda ]]; then
-  # nanfree._C_cuda compiled beforehand for this machine's torch (scripts/gpu_prebuild.sh):
-  # the rest only.
-  if ! MAX_JOBS="${MAX_JOBS:-16}" NANFREE_CUDA=0 python3 setup.py build_ext --inplace \
+build() {  # setup.py build_ext --inplace with the given environment, or stop
+  if ! env MAX_JOBS="${MAX_JOBS:-16}" "$@" python3 setup.py build_ext --inplace \
       >"$logs/build.log" 2>&1; then
     tail -40 "$logs/build.log"
     echo "build failed"
     exit 1
   fi
-  echo "build (without the CUDA extension) took $((SECONDS - start)) s"
-elif [[ "${SKIP_BUILD:-0}" != 1 ]]; then
-  if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" NANFREE_CUDA=1 \
-      python3 setup.py build_ext --inplace >"$logs/build.log" 2>&1; then
-    tail -40 "$logs/build.log"
-    echo "build failed"
-    exit 1
-  fi
-  echo "build took $((SECONDS - start)) s"
-fi
+  echo "build ($*) took $((SECONDS - start)) s"
+}
+case "${SKIP_BUILD:-0}" in
+  1) ;;
+  # nanfree._C_cuda compiled beforehand for this machine's torch (scripts/gpu_prebuild.sh):
+  # the rest only.
+  cuda) build NANFREE_CUDA=0 ;;
+  *) build TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" NANFREE_CUDA=1 ;;
+esac
 # The CUDA kernels load and run (a copied build compiled against another torch would not).
 if ! python3 -c "
 import json, torch, nanfree, nanfree.ops as nf

@@ -7,6 +7,7 @@
 // one-element exponent that pow_at_exponent knows (2, 3, 0.5, -0.5, -1, -2: a
 // Python number) through that form (a * a for 2), as the CPU kernels.
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/device_common.cuh"
 #include "cuda/elementwise_flat.cuh"
@@ -47,17 +48,19 @@ __device__ __forceinline__ T element_at(T g, T a, T b, T bound) {
   }
 }
 
-// Whether pow_element_at_exponent has a form of its own for this order and
-// partial (the value, d/da, d2/da2); the partials in b take the general pow.
-template <BinaryOp op, int order, int partial>
-constexpr bool kKnownExponentForm = op == BinaryOp::kPow && partial == 0;
-
-// f(std::integral_constant<PowExponent, e>) with the kind of pow's one-element
-// exponent b[0] (kOther where pow_at_exponent has no form for it). Every
-// thread reads the same b[0], so the kind is the same grid-wide: no divergence.
-template <typename scalar_t, typename F>
-__device__ __forceinline__ void dispatch_exponent(const scalar_t* b, F&& f) {
-  with_pow_exponent(pow_exponent_kind(static_cast<double>(to_acc(b[0]))), f);
+// f(std::integral_constant<PowExponent, e>): e the kind of pow's one-element
+// exponent b[0] where `known` (pow with a form of its own for the order and
+// partial in play) and b has one element, else kOther. Every thread reads the
+// same b[0], so the kind is the same grid-wide: no divergence.
+template <bool known, typename scalar_t, typename F>
+__device__ __forceinline__ void with_exponent_of(const scalar_t* b, int64_t b_step, F&& f) {
+  if constexpr (known) {
+    if (b_step == 0) {
+      with_pow_exponent(pow_exponent_kind(static_cast<double>(to_acc(b[0]))), f);
+      return;
+    }
+  }
+  f(std::integral_constant<PowExponent, PowExponent::kOther>{});
 }
 
 // Elements [0, n) in chunks of kVec (the caller makes n a multiple of kVec for
@@ -94,15 +97,10 @@ __global__ void __launch_bounds__(kThreads)
     binary_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
                   int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
                   scalar_t* __restrict__ out) {
-  if constexpr (kKnownExponentForm<op, order, partial>) {
-    if (b_step == 0) {  // one exponent for every element
-      dispatch_exponent(b, [&](auto e) {
-        binary_loop<op, decltype(e)::value, order, partial, kVec>(grad, a, a_step, b, b_step, n, out);
-      });
-      return;
-    }
-  }
-  binary_loop<op, PowExponent::kOther, order, partial, kVec>(grad, a, a_step, b, b_step, n, out);
+  // pow_element_at_exponent's own forms: the value, d/da and d2/da2 (partial 0).
+  with_exponent_of<op == BinaryOp::kPow && partial == 0>(b, b_step, [&](auto e) {
+    binary_loop<op, decltype(e)::value, order, partial, kVec>(grad, a, a_step, b, b_step, n, out);
+  });
 }
 
 // Both gradients of elements [0, n) in chunks of kVec (as binary_loop).
@@ -137,15 +135,9 @@ __global__ void __launch_bounds__(kThreads)
     gradients_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ a,
                      int64_t a_step, const scalar_t* __restrict__ b, int64_t b_step, int64_t n,
                      scalar_t* __restrict__ grad_a, scalar_t* __restrict__ grad_b) {
-  if constexpr (op == BinaryOp::kPow) {
-    if (b_step == 0) {  // one exponent for every element
-      dispatch_exponent(b, [&](auto e) {
-        gradients_loop<op, decltype(e)::value, kVec>(grad, a, a_step, b, b_step, n, grad_a, grad_b);
-      });
-      return;
-    }
-  }
-  gradients_loop<op, PowExponent::kOther, kVec>(grad, a, a_step, b, b_step, n, grad_a, grad_b);
+  with_exponent_of<op == BinaryOp::kPow>(b, b_step, [&](auto e) {  // d/da's own form
+    gradients_loop<op, decltype(e)::value, kVec>(grad, a, a_step, b, b_step, n, grad_a, grad_b);
+  });
 }
 
 }  // namespace

@@ -279,6 +279,20 @@ __device__ __forceinline__ void load_logits(const CrossEntropyPosition<scalar_t>
   }
 }
 
+// f(c, x_c) for the classes of thread t of a group of G, kVec consecutive ones per
+// load_logits: classes [c0, c0 + kVec) for c0 = (t + j G) kVec.
+template <int kVec, typename scalar_t, typename F>
+__device__ __forceinline__ void for_each_class(const CrossEntropyPosition<scalar_t>& pos,
+                                               int64_t classes, int t, int G, F&& f) {
+  for (int64_t c0 = static_cast<int64_t>(t) * kVec; c0 < classes;
+       c0 += static_cast<int64_t>(G) * kVec) {
+    acc_of_t<scalar_t> xs[kVec];
+    load_logits<kVec>(pos, c0, xs);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) f(c0 + k, xs[k]);
+  }
+}
+
 // q_c of class c (losses_math.h): the index target's (y the target class, or
 // -1 where the position is left out) or the probability target's.
 template <typename scalar_t>
@@ -300,7 +314,7 @@ __device__ __forceinline__ acc_of_t<scalar_t> class_q(const CrossEntropyProblem<
 // Loss and statistics of every position (o, i), with the rules of the CPU's
 // forward_scalar: a left-out position (ignored target, target class not kept,
 // no kept class) gets loss 0 and ce_left_out().
-// Thread t of a group reads the classes [c0, c0 + kVec) for c0 = (t + j G) kVec.
+// Thread t of a group reads its classes kVec at a time (for_each_class).
 template <int kVec, typename scalar_t>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_forward_kernel(CrossEntropyProblem<scalar_t> p,
@@ -336,18 +350,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     // Pass 1: the largest kept logit and the count of the kept classes. A NaN
     // logit is skipped by the max (xc > max is false), as lse_update skips it.
-    const int64_t first = static_cast<int64_t>(t) * kVec, step = static_cast<int64_t>(G) * kVec;
     acc_t row_max[1] = {-nf_inf<acc_t>()};
     long long count[1] = {0};
-    for (int64_t c0 = first; live && c0 < classes; c0 += step) {
-      acc_t xs[kVec];
-      load_logits<kVec>(pos, c0, xs);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (!pos.kept(c0 + k, xs[k])) continue;
-        if (xs[k] > row_max[0]) row_max[0] = xs[k];
+    if (live) {
+      for_each_class<kVec>(pos, classes, t, G, [&](int64_t c, acc_t xc) {
+        if (!pos.kept(c, xc)) return;
+        if (xc > row_max[0]) row_max[0] = xc;
         ++count[0];
-      }
+      });
     }
     group_reduce<1>(row_max, G, partial_acc, MaxOp());
     group_reduce<1>(count, G, partial_count, SumOp());
@@ -358,13 +368,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     // with a NaN logit), one exp per class as the CPU's vector path: no
     // rescaling of partial sums at each merge.
     acc_t exp_sum[1] = {acc_t(0)};
-    for (int64_t c0 = first; live && c0 < classes; c0 += step) {
-      acc_t xs[kVec];
-      load_logits<kVec>(pos, c0, xs);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (pos.kept(c0 + k, xs[k])) exp_sum[0] += lse_scale(xs[k], row_max[0]);
-      }
+    if (live) {
+      for_each_class<kVec>(pos, classes, t, G, [&](int64_t c, acc_t xc) {
+        if (pos.kept(c, xc)) exp_sum[0] += lse_scale(xc, row_max[0]);
+      });
     }
     group_reduce<1>(exp_sum, G, partial_acc, SumOp());
 
@@ -378,16 +385,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (sums) {
       const scalar_t* prob_position =
           p.prob != nullptr ? p.prob + o * classes * inner + i : nullptr;
-      for (int64_t c0 = first; live && c0 < classes; c0 += step) {
-        acc_t xs[kVec];
-        load_logits<kVec>(pos, c0, xs);
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (!pos.kept(c0 + k, xs[k])) continue;
-          const acc_t qc = class_q(p, prob_position, c0 + k, int64_t(-1), st.smoothing);
+      if (live) {
+        for_each_class<kVec>(pos, classes, t, G, [&](int64_t c, acc_t xc) {
+          if (!pos.kept(c, xc)) return;
+          const acc_t qc = class_q(p, prob_position, c, int64_t(-1), st.smoothing);
           sum[0] += qc;
-          sum[1] += ce_term(qc, ce_log_probability(xs[k], st));
-        }
+          sum[1] += ce_term(qc, ce_log_probability(xc, st));
+        });
       }
       group_reduce<2>(sum, G, partial_acc, SumOp());
     }
@@ -422,18 +426,17 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // grad_input (and, with_target, grad_target) of logit c of a position with
 // the forward's statistics st, upstream g, target class y (-1: none or left
-// out), mask entry keep and probability target prob_position (nullptr: index
-// target), with the rules of the CPU's backward_scalar.
+// out), whether the class takes part (ce_class_kept) and probability target
+// prob_position (nullptr: index target), with the rules of the CPU's backward_scalar.
 template <typename scalar_t>
 __device__ __forceinline__ void ce_backward_element(const CrossEntropyProblem<scalar_t>& p,
                                                     const CrossEntropyStats<acc_of_t<scalar_t>>& st,
-                                                    acc_of_t<scalar_t> g, int64_t y, bool keep,
+                                                    acc_of_t<scalar_t> g, int64_t y, bool kept,
                                                     const scalar_t* prob_position, int64_t c,
                                                     acc_of_t<scalar_t> xc, acc_of_t<scalar_t> bound,
                                                     bool with_target, acc_of_t<scalar_t>& grad_x,
                                                     acc_of_t<scalar_t>& grad_t) {
   using acc_t = acc_of_t<scalar_t>;
-  const bool kept = ce_class_kept(xc, keep);
   const acc_t qc = kept ? class_q(p, prob_position, c, y, st.smoothing) : acc_t(0);
   grad_x = ce_grad_input(g, xc, qc, kept, st, bound);
   if (with_target) grad_t = ce_grad_target(g, xc, class_weight(p.weight, c), p.eps, kept, st, bound);
@@ -470,9 +473,10 @@ __global__ void __launch_bounds__(kFlatThreads)
                       p.mask.data[mask_offset(p.mask, o, i) + c * p.mask.col_stride];
     const int64_t y = p.index != nullptr ? target_class(p.index[r], p.ignore_index, classes) : -1;
     const scalar_t* prob_position = p.prob != nullptr ? p.prob + (e - c * inner) : nullptr;
+    const acc_t xc = to_acc(p.input[e]);
     acc_t grad_x, grad_t = acc_t(0);
-    ce_backward_element(p, position_stats(stats, r), grad[r], y, keep, prob_position, c,
-                        to_acc(p.input[e]), bound, grad_target != nullptr, grad_x, grad_t);
+    ce_backward_element(p, position_stats(stats, r), grad[r], y, ce_class_kept(xc, keep),
+                        prob_position, c, xc, bound, grad_target != nullptr, grad_x, grad_t);
     grad_input[e] = FromAcc<scalar_t>::cast(grad_x);
     if (grad_target != nullptr) grad_target[e] = FromAcc<scalar_t>::cast(grad_t);
   }
@@ -499,9 +503,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     const CrossEntropyStats<acc_t> st = position_stats(stats, r);
     const acc_t g = grad[r];
     const int64_t y = p.index != nullptr ? target_class(p.index[r], p.ignore_index, classes) : -1;
-    const bool* mask = p.mask.data != nullptr ? p.mask.data + mask_offset(p.mask, r, 0) : nullptr;
     const scalar_t* prob_position = p.prob != nullptr ? p.prob + r * classes : nullptr;
-    const CrossEntropyPosition<scalar_t> pos{p.input + r * classes, mask, 1, p.mask.col_stride};
+    const CrossEntropyPosition<scalar_t> pos = position_of(p, r, 0);  // inner 1: position (r, 0)
     for (int64_t c0 = static_cast<int64_t>(t) * kVec; c0 < classes;
          c0 += static_cast<int64_t>(G) * kVec) {
       acc_t xs[kVec], grad_x[kVec], grad_t[kVec];
@@ -509,10 +512,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const int64_t c = c0 + k;
-        const bool keep = mask == nullptr || mask[c * p.mask.col_stride];
         grad_t[k] = acc_t(0);
-        ce_backward_element(p, st, g, y, keep, prob_position, c, xs[k], bound, with_target,
-                            grad_x[k], grad_t[k]);
+        ce_backward_element(p, st, g, y, pos.kept(c, xs[k]), prob_position, c, xs[k], bound,
+                            with_target, grad_x[k], grad_t[k]);
       }
       store_acc<kVec>(grad_input + r * classes + c0, grad_x);
       if (with_target) store_acc<kVec>(grad_target + r * classes + c0, grad_t);
@@ -531,6 +533,11 @@ int forward_group(ReductionLayout layout) {
   const int by_work = next_pow2(threads < kMaxThreads ? threads : kMaxThreads);
   const int least = layout.n < kWarp ? next_pow2(layout.n) : kWarp;
   return by_work > least ? by_work : least;  // both at most kMaxThreads
+}
+
+// The launch of a kernel by groups of forward_group threads per position.
+Plan group_plan(ReductionLayout layout, int64_t positions) {
+  return finish_plan(Plan{false, 0, forward_group(layout), 0, 0}, positions);
 }
 
 // Whether every row of the [outer, C] arrays (inner 1) can be read in 16-byte
@@ -599,8 +606,7 @@ cudaError_t cross_entropy_forward(CrossEntropyProblem<scalar_t> problem, acc_of_
                                   acc_of_t<scalar_t>* stats, cudaStream_t stream) {
   const int64_t positions = problem.layout.reductions();
   if (positions <= 0) return cudaSuccess;
-  Plan plan{false, 0, forward_group(problem.layout), 0, 0};
-  plan = finish_plan(plan, positions);
+  const Plan plan = group_plan(problem.layout, positions);
   return dispatch_vec<scalar_t>(rows_vectorizable(problem, {problem.input}), [&](auto vec_c) {
     return launch(cross_entropy_forward_kernel<decltype(vec_c)::value, scalar_t>, plan.blocks,
                   plan.threads, stream, problem, loss, stats, plan.group);
@@ -618,8 +624,7 @@ cudaError_t cross_entropy_backward(CrossEntropyProblem<scalar_t> problem,
     return launch(cross_entropy_backward_kernel<scalar_t>, ceil_div(n, kFlatThreads), kFlatThreads,
                   stream, problem, grad, stats, grad_input, grad_target);
   }
-  Plan plan{false, 0, forward_group(problem.layout), 0, 0};
-  plan = finish_plan(plan, problem.layout.outer);
+  const Plan plan = group_plan(problem.layout, problem.layout.outer);
   const bool vec = rows_vectorizable(problem, {problem.input, grad_input, grad_target});
   return dispatch_vec<scalar_t>(vec, [&](auto vec_c) {
     return launch(cross_entropy_backward_rows_kernel<decltype(vec_c)::value, scalar_t>, plan.blocks,

@@ -132,9 +132,9 @@ NF_HOST_DEVICE T pow_dbb(T a, T b) {
 // The exponents torch's CPU pow computes without pow (2, 3, 0.5, -0.5, -1, -2),
 // for a kernel that knows b is one of them for every element (a Python number
 // or a 0-d exponent; the CPU kernels read it on the host, the CUDA kernels in
-// every thread, the same kind grid-wide): the value and the derivatives in the base a, under the
-// same rules as pow_value, pow_da and pow_daa at that b (the partials in b
-// need log(a) and take the general functions).
+// every thread, the same kind grid-wide): the value and the derivatives in the
+// base a, under the same rules as pow_value, pow_da and pow_daa at that b (the
+// partials in b need log(a) and take the general functions).
 
 enum class PowExponent : int { kOther, kTwo, kThree, kHalf, kMinusHalf, kMinusOne, kMinusTwo };
 
