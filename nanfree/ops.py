@@ -405,7 +405,38 @@ def _autocast_on(device_type):
     autocast too: nanfree's ops given `out` run with autocast off (CUDA autocast's
     atan2 row would otherwise refuse a bfloat16 input under float16 autocast,
     and log's would compute in float32)."""
+    if device_type in ("cpu", "cuda"):  # autocast is available for both
+        return torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _plain_out(out, *inputs):
+    """Whether `out` and `inputs` are plain tensors of one floating dtype, shape and
+    device, with no gradient to refuse, no autocast and no trace: then <op>_out
+    writes into `out` as it stands (a few microseconds less than the checks and
+    promotions of the general path, which such a call would pass unchanged)."""
+    if type(out) is not torch.Tensor or not out.dtype.is_floating_point:
+        return False
+    dtype, shape, device = out.dtype, out.shape, out.device
+    grad = torch.is_grad_enabled()
+    if grad and out.requires_grad:
+        return False
+    for t in inputs:
+        if (type(t) is not torch.Tensor or t.dtype != dtype or t.shape != shape
+                or t.device != device or (grad and t.requires_grad)):
+            return False
+    return not _autocast_on(device.type) and not _is_compiling()
+
+
+_OUT_OPS = {}
+
+
+def _out_op(op):
+    """torch.ops.nanfree.<op>_out, looked up once."""
+    f = _OUT_OPS.get(op)
+    if f is None:
+        f = _OUT_OPS[op] = getattr(torch.ops.nanfree, f"{op}_out").default
+    return f
 
 
 def _unary(op, input, out):
@@ -415,6 +446,9 @@ def _unary(op, input, out):
     (computed and copied while torch.compile traces, or for an `out` of another
     dtype)."""
     fast = out is None and not _is_compiling()
+    if out is not None and _plain_out(out, input):
+        _out_op(op)(input, out)
+        return out
     if not fast:
         check_tensors(op, input=input)
         if out is not None:
@@ -429,7 +463,7 @@ def _unary(op, input, out):
             if not _is_compiling():
                 if _prepare_out(op, out, input.shape, _elementwise.unary_dtype(op, input), input,
                                 stacklevel=4):
-                    getattr(torch.ops.nanfree, f"{op}_out")(input, out)
+                    _out_op(op)(input, out)
                     return out
     try:
         result = getattr(_C if fast else torch.ops.nanfree, op)(input)
@@ -549,13 +583,28 @@ def _binary(op, input, other, out, other_name="other"):
     round it). Two plain tensors without `out` go straight to the op's C++ entry
     point (nanfree._C.<op>, about a microsecond less than torch.ops), as the unary
     ops do."""
-    if (out is None and type(input) is torch.Tensor and type(other) is torch.Tensor
-            and not _is_compiling()):
+    if out is None and type(input) is torch.Tensor and not _is_compiling():
+        if type(other) is not torch.Tensor:
+            # A float or int beside a float32 / float64 tensor: the 0-d tensor
+            # _binary_operand would make, made here (half the per-call time of
+            # pow(x, 2.0)).
+            if (input.dtype not in (torch.float32, torch.float64)
+                    or not _within_range(other, input.dtype)):
+                return _binary_general(op, input, other, out, other_name)
+            other = torch.scalar_tensor(other, dtype=input.dtype, device=input.device)
         try:
             return getattr(_C, op)(input, other)
         except RuntimeError:
             refuse_torch_func(op, input, other)
             raise
+    return _binary_general(op, input, other, out, other_name)
+
+
+def _binary_general(op, input, other, out, other_name):
+    """_binary past its fast paths: every argument form, out= and tracing."""
+    if out is not None and _plain_out(out, input, other):
+        _out_op(op)(input, other, out)
+        return out
     if not isinstance(input, torch.Tensor) and not isinstance(other, torch.Tensor):
         check_tensors(op, input=input)  # one argument must be a tensor, as torch's
     if out is not None:
@@ -568,7 +617,7 @@ def _binary(op, input, other, out, other_name="other"):
         device_type = (input if isinstance(input, torch.Tensor) else other).device.type
         if _autocast_on(device_type):
             with torch.autocast(device_type, enabled=False):
-                return _binary(op, input, other, out, other_name)
+                return _binary_general(op, input, other, out, other_name)
     if (op in ("pow", "div_no_nan") and isinstance(input, torch.Tensor)
             and input.dtype in (torch.float16, torch.bfloat16) and is_number(other)
             and not _exact_in(input.dtype, other)):
@@ -577,7 +626,7 @@ def _binary(op, input, other, out, other_name="other"):
         if not (op == "pow" and tensor.device.type == "cuda" and
                 torch.is_autocast_enabled("cuda")):  # CUDA autocast: torch's pow is float32
             result = result.to(tensor.dtype)
-        return result if out is None else _into_out(op, out, result, (input, other), stacklevel=4)
+        return result if out is None else _into_out(op, out, result, (input, other), stacklevel=5)
     if isinstance(input, torch.Tensor):
         other = _binary_operand(op, other_name, other, input)
     else:
@@ -593,15 +642,15 @@ def _binary(op, input, other, out, other_name="other"):
                 ref = other
             elif not (other.dim() == 0 and other.device.type == "cpu"):
                 check_device(op, "other", input, other)
-        if _prepare_out(op, out, shape, dtype, ref, (input, other), stacklevel=4):
-            getattr(torch.ops.nanfree, f"{op}_out")(input, other, out)
+        if _prepare_out(op, out, shape, dtype, ref, (input, other), stacklevel=5):
+            _out_op(op)(input, other, out)
             return out
     try:
         result = getattr(torch.ops.nanfree, op)(input, other)
     except RuntimeError:
         refuse_torch_func(op, input, other)
         raise
-    return result if out is None else _into_out(op, out, result, (input, other), stacklevel=4)
+    return result if out is None else _into_out(op, out, result, (input, other), stacklevel=5)
 
 
 def pow(input, exponent, *, out=None):
