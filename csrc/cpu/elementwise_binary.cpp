@@ -101,37 +101,46 @@ void binary_loop(at::TensorIteratorBase& iter) {
         const char* const a_ptr = ptr[kFirst];
         const char* const b_ptr = ptr[kFirst + 1];
         const char* const g_ptr = ptr[kGradIndex];
-        const bool a_scalar = strides[kFirst] == 0, b_scalar = strides[kFirst + 1] == 0;
-        const bool g_scalar = kGrad && strides[kGradIndex] == 0;
         scalar_t* outs[kOutputs];
         for (int t = 0; t < kOutputs; ++t) outs[t] = reinterpret_cast<scalar_t*>(ptr[t]);
-        int64_t j = 0;
-        // Two vectors per step: their C library calls (Sleef's pow, log) overlap.
-        for (; j + 2 * V::size() <= n0; j += 2 * V::size()) {
-          const int64_t k = j + V::size();
-          const V a0 = load_run<scalar_t>(a_ptr, a_scalar, j, V::size());
-          const V a1 = load_run<scalar_t>(a_ptr, a_scalar, k, V::size());
-          const V b0 = load_run<scalar_t>(b_ptr, b_scalar, j, V::size());
-          const V b1 = load_run<scalar_t>(b_ptr, b_scalar, k, V::size());
-          V g0(acc_t(0)), g1(acc_t(0));
-          if constexpr (kGrad) {
-            g0 = load_run<scalar_t>(g_ptr, g_scalar, j, V::size());
-            g1 = load_run<scalar_t>(g_ptr, g_scalar, k, V::size());
+        // The run's loop, given whether each input is broadcast: as constants where
+        // none is (the common case), so that the loop tests nothing per vector.
+        auto run = [&](auto a_scalar, auto b_scalar, auto g_scalar) {
+          int64_t j = 0;
+          // Two vectors per step: their C library calls (Sleef's pow, log) overlap.
+          for (; j + 2 * V::size() <= n0; j += 2 * V::size()) {
+            const int64_t k = j + V::size();
+            const V a0 = load_run<scalar_t>(a_ptr, a_scalar, j, V::size());
+            const V a1 = load_run<scalar_t>(a_ptr, a_scalar, k, V::size());
+            const V b0 = load_run<scalar_t>(b_ptr, b_scalar, j, V::size());
+            const V b1 = load_run<scalar_t>(b_ptr, b_scalar, k, V::size());
+            V g0(acc_t(0)), g1(acc_t(0));
+            if constexpr (kGrad) {
+              g0 = load_run<scalar_t>(g_ptr, g_scalar, j, V::size());
+              g1 = load_run<scalar_t>(g_ptr, g_scalar, k, V::size());
+            }
+            int t = 0;
+            ((store_pair<scalar_t>(Elements::apply(g0, a0, b0, bound_vec), Elements::apply(g1, a1, b1, bound_vec),
+                                   outs[t] + j),
+              ++t),
+             ...);
           }
-          int t = 0;
-          ((store_pair<scalar_t>(Elements::apply(g0, a0, b0, bound_vec), Elements::apply(g1, a1, b1, bound_vec),
-                                 outs[t] + j),
-            ++t),
-           ...);
-        }
-        for (; j < n0; j += V::size()) {
-          const int64_t count = std::min<int64_t>(V::size(), n0 - j);
-          const V a = load_run<scalar_t>(a_ptr, a_scalar, j, count);
-          const V b = load_run<scalar_t>(b_ptr, b_scalar, j, count);
-          const V g = kGrad ? load_run<scalar_t>(g_ptr, g_scalar, j, count) : V(acc_t(0));
-          int t = 0;
-          ((cpu::store_vec<scalar_t>(Elements::apply(g, a, b, bound_vec), outs[t] + j, count), ++t),
-           ...);
+          for (; j < n0; j += V::size()) {
+            const int64_t count = std::min<int64_t>(V::size(), n0 - j);
+            const V a = load_run<scalar_t>(a_ptr, a_scalar, j, count);
+            const V b = load_run<scalar_t>(b_ptr, b_scalar, j, count);
+            const V g = kGrad ? load_run<scalar_t>(g_ptr, g_scalar, j, count) : V(acc_t(0));
+            int t = 0;
+            ((cpu::store_vec<scalar_t>(Elements::apply(g, a, b, bound_vec), outs[t] + j, count), ++t),
+             ...);
+          }
+        };
+        const bool a_scalar = strides[kFirst] == 0, b_scalar = strides[kFirst + 1] == 0;
+        const bool g_scalar = kGrad && strides[kGradIndex] == 0;
+        if (!a_scalar && !b_scalar && !g_scalar) {
+          run(std::false_type{}, std::false_type{}, std::false_type{});
+        } else {
+          run(a_scalar, b_scalar, g_scalar);
         }
       } else {
         for (int64_t j = 0; j < n0; ++j) {

@@ -8,6 +8,8 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <type_traits>
+
 #include "cpu/vec.h"
 #include "cpu/vec_double_math.h"
 #include "cpu/vec_float_math.h"
@@ -18,6 +20,35 @@ template <typename T>
 at::vec::Vectorized<T> nf_where(const at::vec::Vectorized<T>& mask, const at::vec::Vectorized<T>& a,
                                 const at::vec::Vectorized<T>& b) {
   return at::vec::Vectorized<T>::blendv(b, a, mask);
+}
+// numerics.h's nf_ordered: one ordered compare (false where a lane of a or b is NaN).
+template <typename T>
+at::vec::Vectorized<T> nf_ordered(const at::vec::Vectorized<T>& a, const at::vec::Vectorized<T>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(a, b, _CMP_ORD_Q)));
+  } else if constexpr (std::is_same_v<T, double>) {
+    return _mm512_castsi512_pd(_mm512_movm_epi64(_mm512_cmp_pd_mask(a, b, _CMP_ORD_Q)));
+  }
+#endif
+  return (a == a) & (b == b);
+}
+// numerics.h's nf_zero_where: x with the bits of the mask's lanes cleared (+0 there).
+template <typename T>
+at::vec::Vectorized<T> nf_zero_where(const at::vec::Vectorized<T>& mask, const at::vec::Vectorized<T>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_andnot_ps(mask, x);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return _mm512_andnot_pd(mask, x);
+  }
+#endif
+  return x ^ (x & mask);
+}
+// numerics.h's nf_any_non_finite: whether any lane is NaN or +-inf.
+template <typename T>
+bool nf_any_non_finite(const at::vec::Vectorized<T>& x) {
+  return x.has_inf_nan();
 }
 // numerics.h's nf_saturate: vec.h's saturate_vec (min/max that keep NaN).
 template <typename T>

@@ -42,7 +42,7 @@ enum class BinaryOp : int { kPow = 0, kAtan2 = 1, kDivNoNan = 2, kXlogy = 3, kXl
 // r where neither input is NaN, else NaN (rule 7, before every other rule).
 template <typename T>
 NF_HOST_DEVICE T propagate_nan(T a, T b, T r) {
-  return nf_where((a == a) & (b == b), r, a + b);
+  return nf_where(nf_ordered(a, b), r, a + b);
 }
 
 // Whether x is +-inf: x - x is NaN only for an infinite or NaN x.
@@ -55,7 +55,7 @@ NF_HOST_DEVICE auto is_infinite(T x) -> decltype((x - x) != (x - x)) {
 // the rules count 0 stays 0 against an infinite one, where inf * 0 is NaN).
 template <typename T>
 NF_HOST_DEVICE T zero_dominant_product(T a, T b) {
-  return nf_where(((a == T(0)) | (b == T(0))) & (a == a) & (b == b), T(0), a * b);
+  return nf_zero_where(((a == T(0)) | (b == T(0))) & nf_ordered(a, b), a * b);
 }
 
 // --- pow(a, b): a to the power b -------------------------------------------------
@@ -268,7 +268,9 @@ NF_HOST_DEVICE auto div_no_nan_zero(T a, T b) -> decltype(b == T(0)) {
 template <typename T>
 NF_HOST_DEVICE T div_no_nan_value(T a, T b) {
   const T q = a / b;
-  return nf_where(((b == T(0)) | (q != q)) & (a == a) & (b == b), T(0), q);  // rule 4
+  // A finite quotient is the value (b is not 0, no input NaN): the rule only elsewhere.
+  if (!nf_any_non_finite(q)) return q;
+  return nf_zero_where(((b == T(0)) | (q != q)) & nf_ordered(a, b), q);  // rule 4
 }
 
 template <typename T>

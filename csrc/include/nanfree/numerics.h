@@ -36,6 +36,24 @@ template <typename T>
 NF_HOST_DEVICE T nf_where(bool cond, T a, T b) {
   return cond ? a : b;
 }
+// Whether neither a nor b is NaN; 0 where cond, else x. For the templates that
+// the CPU kernels also instantiate with ATen vectors (there, csrc/cpu/vec_math.h:
+// one ordered compare instead of two; an and-not of the lane mask instead of a
+// blend).
+template <typename T>
+NF_HOST_DEVICE bool nf_ordered(T a, T b) {
+  return (a == a) && (b == b);
+}
+template <typename T>
+NF_HOST_DEVICE T nf_zero_where(bool cond, T x) {
+  return cond ? T(0) : x;
+}
+// Whether x is NaN or +-inf (a vector: whether any lane is; csrc/cpu/vec_math.h),
+// for a test that spares the finite case a rule's compares.
+template <typename T>
+NF_HOST_DEVICE bool nf_any_non_finite(T x) {
+  return (x - x) != (x - x);
+}
 NF_HOST_DEVICE float nf_pow(float x, float y) { return ::powf(x, y); }
 NF_HOST_DEVICE double nf_pow(double x, double y) { return ::pow(x, y); }
 NF_HOST_DEVICE float nf_sqrt(float x) { return ::sqrtf(x); }
