@@ -161,3 +161,24 @@ def test_logsumexp_of_long_float32_rows_as_accurate_as_torch(columns):
     ours = (nf.logsumexp(x, -1).double() - ref).norm() / ref.norm()
     theirs = (torch.logsumexp(x, -1).double() - ref).norm() / ref.norm()
     assert ours <= 2 * theirs, (float(ours), float(theirs))
+
+
+@pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the C++ CPU kernels' short-row blocks only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("columns", [1, 3, 16, 37, 128, 1024, 1025])
+def test_short_row_blocks_equal_the_general_path(dtype, op, columns):
+    # Unmasked rows of one chunk go four at a time through short_rows_forward; a
+    # mask of all True sends the same rows through the general path. The values
+    # must be the same bits, also around rows the blocks leave to the general
+    # path (NaN, +inf, all -inf) and in the tail of each parallel task.
+    gen = torch.Generator().manual_seed(columns)
+    x = (torch.randn(203, columns, generator=gen) * 4).to(dtype)
+    x[5, 0] = INF
+    x[9] = -INF
+    x[14, -1] = float("nan")
+    x[60, -1] = -INF
+    keep = torch.ones_like(x, dtype=torch.bool)
+    blocks, general = getattr(nf, op)(x, -1), getattr(nf, op)(x, -1, mask=keep)
+    assert torch.equal(blocks.nan_to_num(7.0), general.nan_to_num(7.0))
+    assert blocks[14].isnan().all() and not blocks[15:].isnan().any()

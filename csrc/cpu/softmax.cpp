@@ -120,7 +120,23 @@ NANFREE_HOT_LOOP acc_t store_shifted_exps(const acc_t* x, acc_t max, acc_t* exps
     e.store(exps + j, tail);
     sum = sum + e;
   }
-  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, sum);
+  return reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, sum);
+}
+
+// sum(exp(x - max)) over x[0..n) for a finite max (store_shifted_exps without
+// the store).
+template <typename acc_t>
+NANFREE_HOT_LOOP acc_t shifted_exp_sum(const acc_t* x, acc_t max, int64_t n) {
+  using V = Vec<acc_t>;
+  const V shift(max);
+  V sum(acc_t(0));
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) sum = sum + shifted_exp(V::loadu(x + j) - shift);
+  if (j < n) {
+    // Lanes past the row hold 0 after loadu; keep them out of the sum.
+    sum = sum + V::set(V(acc_t(0)), shifted_exp(V::loadu(x + j, n - j) - shift), n - j);
+  }
+  return reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, sum);
 }
 
 // The logsumexp state of x[0..n), given m = row_max(x, n). When `exps` is
@@ -141,11 +157,58 @@ NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t m,
     return state;
   }
   if (exps != nullptr) return LseState<acc_t>{m, store_shifted_exps(x, m, exps, n)};
-  const Vec<acc_t> shift(m);
-  const acc_t sum = at::vec::map_reduce_all<acc_t>(
-      [&](Vec<acc_t> v) { return shifted_exp(v - shift); },
-      [](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, x, n);
-  return LseState<acc_t>{m, sum};
+  return LseState<acc_t>{m, shifted_exp_sum(x, m, n)};
+}
+
+// Rows this short (one chunk) of float or double without a mask go through
+// short_rows_forward, a block of them at a time.
+constexpr int64_t kShortRowBlock = 4;
+
+// softmax or log_softmax of the leading rows of x (rows of n <= kChunk entries,
+// unmasked, float or double) in blocks of kShortRowBlock, each phase over the
+// block's rows before the next, so that the rows' dependency chains (a max, a
+// sum of exps, a log, each ending in a horizontal reduction) overlap: up to 2x
+// faster than a row at a time on rows of 32 to 128 floats. The values are the
+// general path's for a row whose max is finite. Stops before the first block
+// holding a row whose max is not finite (NaN, +inf or an empty row: the shared
+// per-entry rules) or a partial block; returns how many rows it wrote.
+template <SoftmaxKind kind, typename acc_t>
+NANFREE_HOT_LOOP int64_t short_rows_forward(const acc_t* x, int64_t rows, int64_t n, acc_t* y,
+                                            acc_t* stats) {
+  using V = Vec<acc_t>;
+  int64_t done = 0;
+  for (; done + kShortRowBlock <= rows; done += kShortRowBlock) {
+    const acc_t* xb = x + done * n;
+    acc_t* yb = y + done * n;
+    acc_t m[kShortRowBlock], sum[kShortRowBlock];
+    bool finite = true;
+    for (int64_t i = 0; i < kShortRowBlock; ++i) {
+      m[i] = row_max(xb + i * n, n);
+      finite = finite && !nf_isinf(m[i]) && !nf_isnan(m[i]);
+    }
+    if (!finite) break;  // a NaN, +inf or empty row: the general path's rules
+    for (int64_t i = 0; i < kShortRowBlock; ++i) {
+      if constexpr (kind == SoftmaxKind::Softmax) {
+        sum[i] = store_shifted_exps(xb + i * n, m[i], yb + i * n, n);
+      } else {
+        sum[i] = shifted_exp_sum(xb + i * n, m[i], n);
+      }
+    }
+    for (int64_t i = 0; i < kShortRowBlock; ++i) {
+      // One chunk: the log of its sum in acc_t, as the general path takes it.
+      const acc_t log_sum = nf_log(sum[i]);
+      stats[2 * (done + i)] = m[i];
+      stats[2 * (done + i) + 1] = log_sum;
+      if constexpr (kind == SoftmaxKind::Softmax) {
+        const V inv_sum(acc_t(1) / sum[i]);
+        at::vec::map([&](V e) { return e * inv_sum; }, yb + i * n, yb + i * n, n);
+      } else {
+        const V shift(m[i]), log_sum_v(log_sum);
+        at::vec::map([&](V v) { return (v - shift) - log_sum_v; }, yb + i * n, xb + i * n, n);
+      }
+    }
+  }
+  return done;
 }
 
 template <SoftmaxKind kind, typename scalar_t>
@@ -174,6 +237,16 @@ void forward_kernel(const ForwardArgs& args) {
     std::vector<acc_t> chunk_maxima(chunks);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* x_row = in + r * cols;
+      if constexpr (same_type && kind != SoftmaxKind::LogSumExp) {
+        if (chunks == 1 && mask.data == nullptr) {
+          const int64_t written =
+              short_rows_forward<kind>(x_row, end - r, cols, out + r * cols, stats_out + 2 * r);
+          if (written > 0) {
+            r += written - 1;
+            continue;
+          }
+        }
+      }
       const MaskRow keep = mask_row(mask, r);
       // The values softmax sees in x_row[start, start + n), in the accumulation type.
       const auto load = [&](int64_t start, int64_t n) {

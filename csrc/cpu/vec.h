@@ -188,6 +188,34 @@ inline void store_vec(const Vec<at::opmath_type<scalar_t>>& v, scalar_t* p, int6
   }
 }
 
+// op over the lanes of v (a horizontal reduction). float: ATen's vec_reduce_all,
+// a tree of shuffles. double: three swaps in registers, where ATen's generic
+// version stores and reloads the vector once per lane (a store-forwarding stall
+// each, about a hundred cycles a reduction: the whole cost of a softmax row of a
+// few doubles).
+template <typename acc_t, typename Op>
+[[gnu::always_inline]] inline acc_t reduce_lanes(const Op& op, const Vec<acc_t>& v) {
+  using V = Vec<acc_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, double>) {
+    const __m512d a = v;
+    const V halves = op(v, V(_mm512_shuffle_f64x2(a, a, 0x4E)));  // swap the 256-bit halves
+    const __m512d b = halves;
+    const V quarters = op(halves, V(_mm512_shuffle_f64x2(b, b, 0xB1)));  // swap 128-bit lanes
+    const __m512d c = quarters;
+    return _mm512_cvtsd_f64(op(quarters, V(_mm512_permute_pd(c, 0x55))));  // swap the pairs
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, double>) {
+    const __m256d a = v;
+    const V halves = op(v, V(_mm256_permute2f128_pd(a, a, 1)));
+    const __m256d b = halves;
+    return _mm256_cvtsd_f64(op(halves, V(_mm256_permute_pd(b, 5))));
+  }
+#endif
+  return at::vec::vec_reduce_all<acc_t>([&](V& a, V& b) { return op(a, b); }, v);
+}
+
 // Reductions of a row over four independent accumulators. With one, every
 // vector operation waits for the previous one's result, which bounds a row in
 // cache well below the load throughput (ATen's reduce_all keeps one).
@@ -208,7 +236,7 @@ template <typename acc_t, typename Op, typename Load>
   for (; j + w <= n; j += w) acc0 = op(acc0, load(j, w));
   if (j < n) acc1 = op(acc1, V::set(V(identity), load(j, n - j), n - j));
   const V total = op(op(acc0, acc1), op(acc2, acc3));
-  return at::vec::vec_reduce_all<acc_t>([&](V& a, V& b) { return op(a, b); }, total);
+  return reduce_lanes<acc_t>(op, total);
 }
 
 // Largest value of x[0..n) (-inf for none), NaN if any value is NaN.
