@@ -109,7 +109,7 @@ template <typename acc_t>
 acc_t largest_magnitude(const Vec<acc_t>& m, acc_t sums) {
   using V = Vec<acc_t>;
   if (nf_isnan(sums)) return sums;
-  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::clamp_min(a, b); }, m);
+  return reduce_lanes<acc_t>([](const V& a, const V& b) { return at::vec::clamp_min(a, b); }, m);
 }
 
 // A row's largest magnitude and, in the same pass, the sum of squares of its
@@ -143,7 +143,7 @@ std::pair<at::opmath_type<scalar_t>, at::opmath_type<scalar_t>> abs_max_and_scal
     const V scaled = v * pv;
     s1 = s1 + V::set(V(acc_t(0)), scaled * scaled, n - j);
   }
-  const acc_t ssq = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; },
+  const acc_t ssq = reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; },
                                                    (s0 + s1) + (s2 + s3));
   const V m = at::vec::clamp_min(at::vec::clamp_min(m0, m1), at::vec::clamp_min(m2, m3));
   return {largest_magnitude(m, ssq), ssq};
@@ -317,7 +317,7 @@ CosineSums<at::opmath_type<scalar_t>> cosine_sums(const scalar_t* a, const scala
     ab0 = at::vec::fmadd(a0, b0, ab0);
   }
   const auto total = [](const V& x, const V& y) {
-    return at::vec::vec_reduce_all<acc_t>([](V& u, V& v) { return u + v; }, x + y);
+    return reduce_lanes<acc_t>([](const V& u, const V& v) { return u + v; }, x + y);
   };
   CosineSums<acc_t> sums;
   sums.ssq_a = total(sa0, sa1);

@@ -104,7 +104,7 @@ NANFREE_HOT_LOOP void flat_block_forward(const scalar_t* x, const scalar_t* next
   mv.store(m, rows);
   // A block with NaN or inf: every row is the caller's (a plain maximum does not keep NaN).
   const bool special_block =
-      at::vec::vec_reduce_all<float>([](V& a, V& b) { return a + b; }, nan) != 0.0f;
+      reduce_lanes<float>([](const V& a, const V& b) { return a + b; }, nan) != 0.0f;
   bool any_fast = false;
   for (int64_t l = 0; l < 16; ++l) {
     if (l < rows) {
@@ -151,10 +151,10 @@ NANFREE_HOT_LOOP std::pair<at::opmath_type<scalar_t>, at::opmath_type<scalar_t>>
     mx = at::vec::maximum(mx, v);  // propagates NaN
   }
   const acc_t largest =
-      at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, mx);
+      reduce_lanes<acc_t>([](const V& a, const V& b) { return at::vec::maximum(a, b); }, mx);
   acc_t count = static_cast<acc_t>(n);
   if constexpr (kMasked) {
-    count = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, cnt);
+    count = reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, cnt);
   }
   return {largest, count};
 }
@@ -181,7 +181,7 @@ NANFREE_HOT_LOOP at::opmath_type<scalar_t> row_power_sum(
       s.add(first_lanes(zero, rp, count));
     }
   }
-  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, s.sum);
+  return reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, s.sum);
 }
 
 // Whether rows_forward / rows_backward take flat blocks.
@@ -337,7 +337,7 @@ NANFREE_HOT_LOOP at::opmath_type<scalar_t> row_backward(
     store_entries(grad, dx + j, count);
   }
   if constexpr (!kPGrad) return acc_t(0);
-  return at::vec::vec_reduce_all<acc_t>([](V& u, V& y) { return u + y; }, dsum.sum);
+  return reduce_lanes<acc_t>([](const V& u, const V& y) { return u + y; }, dsum.sum);
 }
 
 template <bool kMasked, bool kPGrad, typename scalar_t>

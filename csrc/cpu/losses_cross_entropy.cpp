@@ -237,7 +237,7 @@ struct CrossEntropyCpu {
   }
 
   static acc_t total_of(const Vec<acc_t>& v) {
-    return at::vec::vec_reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, v);
+    return cpu::reduce_lanes<acc_t>([](const Vec<acc_t>& a, const Vec<acc_t>& b) { return a + b; }, v);
   }
 
   // The vector backward of row r (inner == 1, no mask, finite max).

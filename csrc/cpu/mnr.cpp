@@ -260,7 +260,7 @@ NANFREE_HOT_LOOP acc_t row_gradient(acc_t* row, RowBuffers<acc_t>& buf, int coun
     acc = acc + dl * V::loadu(row + j);
     (s * dl).store(row + j);
   }
-  dot = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, acc);
+  dot = cpu::reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, acc);
   for (; j < tile.cols; ++j) {
     const acc_t dl = weight * nf_exp(logits[j] - normalizer);
     dot += dl * row[j];
