@@ -99,42 +99,25 @@ const acc_t* load_row(const scalar_t* src, int64_t n, MaskRow mask, acc_t* buffe
   return buffer;
 }
 
-// sum(exp(x - max)) over x[0..n) for a finite max, also writing each
-// exp(x - max) to exps[0..n) in the same pass.
-
-template <typename acc_t>
-NANFREE_HOT_LOOP acc_t store_shifted_exps(const acc_t* x, acc_t max, acc_t* exps, int64_t n) {
+// sum(exp(x - max)) over x[0..n) for a finite max; with kStore, also writing
+// each exp(x - max) to exps[0..n) in the same pass.
+template <bool kStore, typename acc_t>
+NANFREE_HOT_LOOP acc_t shifted_exp_sum(const acc_t* x, acc_t max, acc_t* exps, int64_t n) {
   using V = Vec<acc_t>;
   const V shift(max);
   V sum(acc_t(0));
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
     const V e = shifted_exp(V::loadu(x + j) - shift);
-    e.store(exps + j);
+    if constexpr (kStore) e.store(exps + j);
     sum = sum + e;
   }
   if (j < n) {
     const int64_t tail = n - j;
     // Lanes past the row hold 0 after loadu; keep them out of the sum.
     const V e = V::set(V(acc_t(0)), shifted_exp(V::loadu(x + j, tail) - shift), tail);
-    e.store(exps + j, tail);
+    if constexpr (kStore) e.store(exps + j, tail);
     sum = sum + e;
-  }
-  return reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, sum);
-}
-
-// sum(exp(x - max)) over x[0..n) for a finite max (store_shifted_exps without
-// the store).
-template <typename acc_t>
-NANFREE_HOT_LOOP acc_t shifted_exp_sum(const acc_t* x, acc_t max, int64_t n) {
-  using V = Vec<acc_t>;
-  const V shift(max);
-  V sum(acc_t(0));
-  int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) sum = sum + shifted_exp(V::loadu(x + j) - shift);
-  if (j < n) {
-    // Lanes past the row hold 0 after loadu; keep them out of the sum.
-    sum = sum + V::set(V(acc_t(0)), shifted_exp(V::loadu(x + j, n - j) - shift), n - j);
   }
   return reduce_lanes<acc_t>([](const V& a, const V& b) { return a + b; }, sum);
 }
@@ -156,8 +139,8 @@ NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t m,
     for (int64_t j = 0; j < n; ++j) lse_update(state, x[j]);
     return state;
   }
-  if (exps != nullptr) return LseState<acc_t>{m, store_shifted_exps(x, m, exps, n)};
-  return LseState<acc_t>{m, shifted_exp_sum(x, m, n)};
+  if (exps != nullptr) return LseState<acc_t>{m, shifted_exp_sum<true>(x, m, exps, n)};
+  return LseState<acc_t>{m, shifted_exp_sum<false>(x, m, exps, n)};
 }
 
 // Rows this short (one chunk) of float or double without a mask go through
@@ -189,9 +172,9 @@ NANFREE_HOT_LOOP int64_t short_rows_forward(const acc_t* x, int64_t rows, int64_
     if (!finite) break;  // a NaN, +inf or empty row: the general path's rules
     for (int64_t i = 0; i < kShortRowBlock; ++i) {
       if constexpr (kind == SoftmaxKind::Softmax) {
-        sum[i] = store_shifted_exps(xb + i * n, m[i], yb + i * n, n);
+        sum[i] = shifted_exp_sum<true>(xb + i * n, m[i], yb + i * n, n);
       } else {
-        sum[i] = shifted_exp_sum(xb + i * n, m[i], n);
+        sum[i] = shifted_exp_sum<false, acc_t>(xb + i * n, m[i], nullptr, n);
       }
     }
     for (int64_t i = 0; i < kShortRowBlock; ++i) {

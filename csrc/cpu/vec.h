@@ -384,7 +384,7 @@ inline Vec<acc_t> reduce_each(const acc_t* v, int64_t count, Op op) {
 #endif
   acc_t out[w] = {};
   for (int64_t l = 0; l < count; ++l) {
-    out[l] = reduce_lanes<acc_t>([&](const V& a, const V& b) { return op(a, b); }, V::loadu(v + l * w));
+    out[l] = reduce_lanes<acc_t>(op, V::loadu(v + l * w));
   }
   return V::loadu(out);
 }
