@@ -48,8 +48,9 @@ def rows_sweep(bench):
     if bench.cuda:  # 64 MB tensors
         return [(d, 64 * bc.MB // DTYPES[d].itemsize // c, c) for d in DTYPES
                 for c in (128, 1024, 4096, 16384, 65536)], ["forward+backward"]
-    # 4 MB tensors, and one of 64 MB (larger than the last-level cache)
-    return [("float32", r, c) for r, c in ((8192, 128), (1024, 1024), (256, 4096), (16, 65536), (4096, 4096))], \
+    # 4 MB tensors (one of rows of 16: a vector each), and one of 64 MB (larger than the last-level cache)
+    return [("float32", r, c) for r, c in ((65536, 16), (8192, 128), (1024, 1024), (256, 4096), (16, 65536),
+                                            (4096, 4096))], \
         bc.DIRECTIONS
 
 

@@ -15,36 +15,20 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/flat_rows.h"
 #include "cpu/gem.h"
 
 namespace nanfree {
 namespace cpu {
 namespace {
 
-// Flat blocks (AVX-512 float accumulation, no mask, n <= kFlatMaxN): a block
-// of 16 rows is 16 n consecutive entries, n vectors; lane l of vector k holds
-// entry 16 k + l, of row (16 k + l) / n. A table of those rows per lane lets
-// every vector take its lanes' per-row constants with one permute each,
-// whatever rows it spans, so the block is processed as full vectors without
-// branches; the per-entry results go to a buffer in L1, summed per row after.
+// Flat blocks (AVX-512 float accumulation, no mask, n <= kFlatMaxN): 16 rows
+// at a time as full vectors, each taking its lanes' per-row constants with one
+// permute (cpu/flat_rows.h); the per-entry results go to a buffer in L1,
+// summed per row after.
 constexpr int64_t kFlatMaxN = 256;
 
 #if defined(CPU_CAPABILITY_AVX512)
-struct FlatRows {
-  int64_t n;
-  std::vector<int32_t> row_of;  // 16 per vector, n vectors
-
-  explicit FlatRows(int64_t n_) : n(n_), row_of(16 * n_) {
-    for (int64_t i = 0; i < 16 * n; ++i) row_of[i] = static_cast<int32_t>(i / n);
-  }
-  __m512i index(int64_t k) const { return _mm512_loadu_si512(row_of.data() + 16 * k); }
-};
-
-// A per-row constant (lane r: row r's) in each lane of vector k.
-inline Vec<float> per_row(const FlatRows& f, int64_t k, const Vec<float>& rows) {
-  return Vec<float>(_mm512_permutexvar_ps(f.index(k), rows));
-}
-
 // sum of each of `rows` rows of n values in buf, as the lanes of one vector.
 inline Vec<float> row_sums(const float* buf, int64_t rows, int64_t n, float* acc) {
   using V = Vec<float>;
@@ -79,7 +63,7 @@ inline const float* block_floats(const scalar_t* x, int64_t count, float* scratc
 // maxima are plain (the special rows' m are the caller's).
 template <typename scalar_t>
 NANFREE_HOT_LOOP void flat_block_forward(const scalar_t* x, const scalar_t* next, int64_t rows,
-                                         const FlatRows& f, const GemScalars<float>& k,
+                                         const FlatRows<float>& f, const GemScalars<float>& k,
                                          float* scratch, float* buf, float* m, bool* special,
                                          bool* fast, float* sum) {
   using V = Vec<float>;
@@ -121,7 +105,7 @@ NANFREE_HOT_LOOP void flat_block_forward(const scalar_t* x, const scalar_t* next
   for (int64_t kv = 0; kv < vectors; ++kv) {
     prefetch_block(next, kv);
     const V c = at::vec::clamp_min(V::loadu(xs + 16 * kv, std::min<int64_t>(16, total - 16 * kv)), epsv);
-    const RatioBase<float> base{per_row(f, kv, be), per_row(f, kv, bl)};
+    const RatioBase<float> base{f.per_row(kv, be), f.per_row(kv, bl)};
     ratio_power_vec(c, base, pv).store(buf + 16 * kv);
   }
   row_sums(buf, rows, n, row_max).store(sum, rows);
@@ -203,7 +187,7 @@ void rows_forward(const GemArgs& args, const GemScalars<at::opmath_type<scalar_t
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n * B, 1));
   const bool flat = flat_rows_apply<kMasked, acc_t>(n);
 #if defined(CPU_CAPABILITY_AVX512)
-  const FlatRows table(flat ? n : 0);
+  const FlatRows<float> table(flat ? n : 0);
 #endif
 
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -276,7 +260,7 @@ void gem_forward_kernel(const GemArgs& args) {
 template <bool kPGrad, typename scalar_t>
 NANFREE_HOT_LOOP void flat_block_backward(const scalar_t* x, const scalar_t* next, scalar_t* dx,
                                           int64_t rows,
-                                          const FlatRows& f, const ReductionGrads<float>& q,
+                                          const FlatRows<float>& f, const ReductionGrads<float>& q,
                                           const BackwardScalars<float>& b, float* scratch,
                                           float* buf, float* dsum) {
   using V = Vec<float>;
@@ -294,12 +278,12 @@ NANFREE_HOT_LOOP void flat_block_backward(const scalar_t* x, const scalar_t* nex
     const int64_t count = std::min<int64_t>(16, total - 16 * kv);
     prefetch_block(next, kv);
     EntryConsts<float> e;
-    e.base = {per_row(f, kv, be), per_row(f, kv, bl)};
-    e.a = per_row(f, kv, a);
-    e.g = per_row(f, kv, g);
+    e.base = {f.per_row(kv, be), f.per_row(kv, bl)};
+    e.a = f.per_row(kv, a);
+    e.g = f.per_row(kv, g);
     if constexpr (kPGrad) {
-      e.neg_log_mean = per_row(f, kv, nlm);
-      e.t_scale = per_row(f, kv, t_scale);
+      e.neg_log_mean = f.per_row(kv, nlm);
+      e.t_scale = f.per_row(kv, t_scale);
     }
     V h;
     store_entries(entry_grad<kPGrad>(V::loadu(xs + 16 * kv, count), e, b, h), dx + 16 * kv, count);
@@ -357,7 +341,7 @@ void rows_backward(const GemBackwardArgs& args, const GemScalars<at::opmath_type
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n * B, 1));
   const bool flat = flat_rows_apply<kMasked, acc_t>(n);
 #if defined(CPU_CAPABILITY_AVX512)
-  const FlatRows table(flat ? n : 0);
+  const FlatRows<float> table(flat ? n : 0);
 #endif
 
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/softmax_op.h"
+#include "cpu/flat_rows.h"
 #include "cpu/softmax_strided.h"
 #include "cpu/vec.h"
 
@@ -143,6 +144,24 @@ NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t m,
   return LseState<acc_t>{m, shifted_exp_sum<false>(x, m, exps, n)};
 }
 
+// The log of a one-chunk row's sum of exps, as every path of the forward takes
+// it for rows of n entries, so that a row gets the same bits on each: for rows
+// narrow_rows_forward takes (n <= W with AVX-512), ATen's vector log (1 ulp;
+// log(0) = -inf, log(+inf) = +inf, NaN stays NaN, as libm's), which it takes
+// for W rows at once (a libm log per row was a fifth of its time); libm's for
+// longer rows (a vector log per row would cost them up to 1.7x).
+template <typename acc_t>
+inline acc_t log_of_sum(acc_t sum, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n <= Vec<acc_t>::size()) {
+    acc_t out;
+    Vec<acc_t>(sum).log().store(&out, 1);
+    return out;
+  }
+#endif
+  return nf_log(sum);
+}
+
 // Rows this short (one chunk) of float or double without a mask go through
 // short_rows_forward, a block of them at a time.
 constexpr int64_t kShortRowBlock = 4;
@@ -179,7 +198,7 @@ NANFREE_HOT_LOOP int64_t short_rows_forward(const acc_t* x, int64_t rows, int64_
     }
     for (int64_t i = 0; i < kShortRowBlock; ++i) {
       // One chunk: the log of its sum in acc_t, as the general path takes it.
-      const acc_t log_sum = nf_log(sum[i]);
+      const acc_t log_sum = log_of_sum(sum[i], n);
       stats[2 * (done + i)] = m[i];
       stats[2 * (done + i) + 1] = log_sum;
       if constexpr (kind == SoftmaxKind::Softmax) {
@@ -194,6 +213,99 @@ NANFREE_HOT_LOOP int64_t short_rows_forward(const acc_t* x, int64_t rows, int64_
   return done;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The sum of W vectors' lanes e[0..W) in the order of reduce_lanes' tree (lane
+// i with lane i + W/2, then i + W/4, ... 1), so that a row summed down a lane
+// of the e[j] gets the same bits as that row's vector summed across its lanes.
+template <typename acc_t>
+inline Vec<acc_t> tree_sum(Vec<acc_t>* e) {
+  for (int64_t step = Vec<acc_t>::size() / 2; step >= 1; step /= 2) {
+    for (int64_t i = 0; i < step; ++i) e[i] = e[i] + e[i + step];
+  }
+  return e[0];
+}
+
+// softmax or log_softmax of the leading rows of x, rows of n <= W entries
+// (one vector; float or double, masked or not), W rows at a time with the rows
+// across the lanes (cpu/flat_rows.h): the max and the sum of exps of W rows
+// are vertical operations over n columns and their W logs one batch, instead
+// of two horizontal reductions and a log per row, which bound such rows at
+// several times torch's time. x's row 0 is the problem's row `first_row` (its
+// mask row). The values are the per-row paths' (short_rows_forward, and the
+// general path for a masked row), bit for bit: the same entries (a dropped one
+// is -inf, whatever it held), the same exps, the sum in reduce_lanes' order,
+// the same log. Stops before the first block holding a row whose max is not
+// finite (a NaN, +inf, all -inf or all dropped row) or a partial block;
+// returns how many rows it wrote.
+template <SoftmaxKind kind, typename acc_t>
+NANFREE_HOT_LOOP int64_t narrow_rows_forward(const acc_t* x, int64_t rows, const FlatRows<acc_t>& f,
+                                             const MaskView& mask, int64_t first_row, acc_t* y,
+                                             acc_t* stats) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const int64_t n = f.n;
+  alignas(64) acc_t m[W], sum[W], log_sum[W];
+  int64_t done = 0;
+  for (; done + W <= rows; done += W) {
+    const acc_t* xb = x + done * n;
+    acc_t* yb = y + done * n;
+    // The mask's bits: keep_columns[j] bit r (row r keeps entry j), keep_vectors[k] bit l
+    // (entry W k + l of the block is kept).
+    uint32_t keep_columns[W] = {}, keep_vectors[W] = {};
+    if (mask.data != nullptr) {
+      for (int64_t r = 0; r < W; ++r) {
+        const bool* keep = mask.data + mask_row_offset(mask, first_row + done + r);
+        for (int64_t j = 0; j < n; ++j) {
+          const uint32_t kept = keep[j * mask.col_stride] ? 1u : 0u;
+          keep_columns[j] |= kept << r;
+          keep_vectors[(r * n + j) / W] |= kept << ((r * n + j) % W);
+        }
+      }
+    }
+    // Entry k of the block's flat vectors, a dropped entry -inf (as masked_value).
+    const auto entries = [&](int64_t k) {
+      const V v = V::loadu(xb + W * k);
+      return mask.data == nullptr ? v : f.kept_or(v, keep_vectors[k], -nf_inf<acc_t>());
+    };
+    V e[W];  // the columns, then their exps
+    f.columns(xb, e);
+    if (mask.data != nullptr) {
+      for (int64_t j = 0; j < n; ++j) e[j] = f.kept_or(e[j], keep_columns[j], -nf_inf<acc_t>());
+    }
+    V mx(-nf_inf<acc_t>());
+    for (int64_t j = 0; j < n; ++j) mx = at::vec::maximum(mx, e[j]);  // propagates NaN
+    if (mx.has_inf_nan()) break;  // a NaN, +inf or empty row: the general path's rules
+    for (int64_t j = n; j < W; ++j) e[j] = V(acc_t(0));  // the lanes past a row's end
+    if constexpr (kind == SoftmaxKind::Softmax) {
+      // The exps in place, each row's stored once, then read down the columns.
+      for (int64_t k = 0; k < n; ++k) shifted_exp(entries(k) - f.per_row(k, mx)).store(yb + W * k);
+      f.columns(yb, e);
+    } else {
+      for (int64_t j = 0; j < n; ++j) e[j] = shifted_exp(e[j] - mx);
+    }
+    const V total = tree_sum(e);
+    mx.store(m);
+    total.store(sum);
+    // One chunk: the log of its sum in acc_t, as the general path takes it.
+    total.log().store(log_sum);
+    for (int64_t i = 0; i < W; ++i) {
+      stats[2 * (done + i)] = m[i];
+      stats[2 * (done + i) + 1] = log_sum[i];
+    }
+    if constexpr (kind == SoftmaxKind::Softmax) {
+      const V inv_sum = V(acc_t(1)) / total;
+      for (int64_t k = 0; k < n; ++k) {
+        (V::loadu(yb + W * k) * f.per_row(k, inv_sum)).store(yb + W * k);
+      }
+    } else {
+      const V ls = V::loadu(log_sum);
+      for (int64_t k = 0; k < n; ++k) ((entries(k) - f.per_row(k, mx)) - f.per_row(k, ls)).store(yb + W * k);
+    }
+  }
+  return done;
+}
+#endif
+
 template <SoftmaxKind kind, typename scalar_t>
 void forward_kernel(const ForwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -205,6 +317,11 @@ void forward_kernel(const ForwardArgs& args) {
   scalar_t* out = args.output.mutable_data_ptr<scalar_t>();
   acc_t* stats_out = args.stats.mutable_data_ptr<acc_t>();
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
+#if defined(CPU_CAPABILITY_AVX512)
+  // Rows of one vector at most go W at a time across the lanes (narrow_rows_forward).
+  const bool narrow = same_type && kind != SoftmaxKind::LogSumExp && cols <= V::size();
+  const FlatRows<acc_t> narrow_table(narrow ? cols : 0);
+#endif
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
     // One chunk of a row, converted or masked, in the accumulation type (an
@@ -218,12 +335,25 @@ void forward_kernel(const ForwardArgs& args) {
     const bool buffered = kind == SoftmaxKind::Softmax && (!same_type || cols <= kExpBufferCols);
     auto exp_buffer = scratch_row<acc_t>(cols, buffered);
     std::vector<acc_t> chunk_maxima(chunks);
+    int64_t next_narrow = begin;  // the first row narrow_rows_forward is tried at
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* x_row = in + r * cols;
       if constexpr (same_type && kind != SoftmaxKind::LogSumExp) {
-        if (chunks == 1 && mask.data == nullptr) {
-          const int64_t written =
-              short_rows_forward<kind>(x_row, end - r, cols, out + r * cols, stats_out + 2 * r);
+        if (chunks == 1) {
+          int64_t written = 0, short_rows = mask.data == nullptr ? end - r : 0;
+#if defined(CPU_CAPABILITY_AVX512)
+          if (narrow && r >= next_narrow) {
+            written = narrow_rows_forward<kind>(x_row, end - r, narrow_table, mask, r, out + r * cols,
+                                                stats_out + 2 * r);
+            // Past a block narrow_rows_forward leaves, back to it at the next block.
+            next_narrow = r + written + V::size();
+            short_rows = std::min<int64_t>(short_rows, V::size());
+          }
+#endif
+          if (written == 0 && short_rows > 0) {
+            written = short_rows_forward<kind>(x_row, short_rows, cols, out + r * cols,
+                                               stats_out + 2 * r);
+          }
           if (written > 0) {
             r += written - 1;
             continue;
@@ -272,7 +402,7 @@ void forward_kernel(const ForwardArgs& args) {
       // One chunk: its sum is the row's, exact in acc_t, whose log takes less time
       // than double's (which was a fifth of the forward of rows of 64 floats); the
       // merged sum of several chunks keeps its double log.
-      const acc_t log_sum = chunks == 1 ? nf_log(state.sum) : static_cast<acc_t>(nf_log(wide.sum));
+      const acc_t log_sum = chunks == 1 ? log_of_sum(state.sum, cols) : static_cast<acc_t>(nf_log(wide.sum));
       stats_out[2 * r] = state.max;
       stats_out[2 * r + 1] = log_sum;
       if constexpr (kind == SoftmaxKind::LogSumExp) {
@@ -381,6 +511,68 @@ template <SoftmaxKind kind, typename scalar_t, typename acc_t>
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The backward of the leading rows of y and g (rows of n <= W entries, float or
+// double, unmasked), W rows at a time with the rows across the lanes, as
+// narrow_rows_forward: each row's reduction (sum(g y) for softmax, sum(g) for
+// log_softmax) a vertical sum in reduce_row's order, the gradient by
+// unmasked_finite_row_backward's formulas over the block's vectors, so the
+// values are its bits. Stops before the first block holding a row without a
+// gradient, a NaN row, a log_softmax row whose sum is not finite or a softmax
+// row where g - dot overflowed (the per-row paths' rules), or a partial block;
+// returns how many rows it wrote.
+template <SoftmaxKind kind, typename acc_t>
+NANFREE_HOT_LOOP int64_t narrow_rows_backward(const acc_t* g, const acc_t* y, const acc_t* stats,
+                                              int64_t rows, const FlatRows<acc_t>& f, acc_t* dx) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const int64_t n = f.n;
+  const V zero(acc_t(0)), out_max(largest_finite<acc_t>()), out_min(-largest_finite<acc_t>());
+  int64_t done = 0;
+  for (; done + W <= rows; done += W) {
+    bool plain = true;
+    for (int64_t i = 0; i < W; ++i) {
+      const RowStats<acc_t> row{stats[2 * (done + i)], stats[2 * (done + i) + 1]};
+      plain = plain && row_has_gradient(row) && !nf_isnan(row.log_sum);
+    }
+    if (!plain) break;  // an empty or NaN row: the per-row paths' rules
+    const acc_t* gb = g + done * n;
+    const acc_t* yb = y + done * n;
+    acc_t* db = dx + done * n;
+    V c[W];
+    if constexpr (kind == SoftmaxKind::Softmax) {
+      // The products g y, then their columns: one transpose instead of one of g and one of y.
+      alignas(64) acc_t products[W * W];
+      for (int64_t k = 0; k < n; ++k) (V::loadu(gb + W * k) * V::loadu(yb + W * k)).store(products + W * k);
+      f.columns(products, c);
+    } else {
+      f.columns(gb, c);
+    }
+    for (int64_t j = 0; j < n; ++j) c[j] = zero + c[j];  // 0 + v: reduce_row's -0 -> +0
+    for (int64_t j = n; j < W; ++j) c[j] = zero;
+    const V reduction = tree_sum(c);
+    if constexpr (kind == SoftmaxKind::Softmax) {
+      V largest_difference = zero;
+      for (int64_t k = 0; k < n; ++k) {
+        const V d = V::loadu(gb + W * k) - f.per_row(k, reduction);
+        largest_difference = at::vec::clamp_min(d.abs(), largest_difference);
+        saturate_vec(V::loadu(yb + W * k) * d, out_max, out_min).store(db + W * k);
+      }
+      // Some g - dot overflowed: those rows are the per-row path's (it halves g and dot).
+      if ((largest_difference == V(nf_inf<acc_t>())).zero_mask() != (1 << W) - 1) break;
+    } else {
+      if (reduction.has_inf_nan()) break;  // the sum overflowed or holds NaN: the shared rule
+      for (int64_t k = 0; k < n; ++k) {
+        const V sum = f.per_row(k, reduction);
+        saturate_vec(V::loadu(gb + W * k) - shifted_exp(V::loadu(yb + W * k)) * sum, out_max, out_min)
+            .store(db + W * k);
+      }
+    }
+  }
+  return done;
+}
+#endif
+
 template <SoftmaxKind kind, typename scalar_t>
 void backward_kernel(const BackwardArgs& args) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -392,6 +584,12 @@ void backward_kernel(const BackwardArgs& args) {
   const acc_t* stats_all = args.stats.const_data_ptr<acc_t>();
   scalar_t* dx_all = args.grad_input.mutable_data_ptr<scalar_t>();
   const acc_t bound = largest_finite<scalar_t>();  // of a saturated gradient
+#if defined(CPU_CAPABILITY_AVX512)
+  // Rows of one vector at most go W at a time across the lanes (narrow_rows_backward).
+  const bool narrow = same_type && kind != SoftmaxKind::LogSumExp && mask.data == nullptr &&
+                      cols <= Vec<acc_t>::size();
+  const FlatRows<acc_t> narrow_table(narrow ? cols : 0);
+#endif
 
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
     // Chunks of a row in the accumulation type (half types only): the row is
@@ -402,7 +600,23 @@ void backward_kernel(const BackwardArgs& args) {
     auto dx_buf = scratch_row<acc_t>(width, !same_type);
     // The gradient with dropped entries zeroed, for the masked log_softmax sum.
     auto kept_g = scratch_row<acc_t>(width, kind == SoftmaxKind::LogSoftmax && mask.data != nullptr);
+    // The next row narrow_rows_backward is tried at (past a block it leaves, the next one).
+    int64_t next_narrow = begin;
     for (int64_t r = begin; r < end; ++r) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (same_type) {
+        if (narrow && r >= next_narrow) {
+          const int64_t written = narrow_rows_backward<kind>(
+              g_all + r * cols, s_all + r * cols, stats_all + 2 * r, end - r, narrow_table,
+              dx_all + r * cols);
+          next_narrow = r + written + Vec<acc_t>::size();
+          if (written > 0) {
+            r += written - 1;
+            continue;
+          }
+        }
+      }
+#endif
       scalar_t* dx_row = dx_all + r * cols;
       const RowStats<acc_t> row{stats_all[2 * r], stats_all[2 * r + 1]};
       if (!row_has_gradient(row)) {
