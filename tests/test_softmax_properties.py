@@ -166,7 +166,7 @@ def test_logsumexp_of_long_float32_rows_as_accurate_as_torch(columns):
 @pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the C++ CPU kernels' short-row blocks only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("columns", [1, 2, 3, 7, 8, 9, 15, 16, 17, 37, 128, 1024, 1025])
+@pytest.mark.parametrize("columns", [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 37, 128, 1024, 1025])
 def test_short_row_blocks_equal_the_general_path(dtype, op, columns):
     # Unmasked rows of one chunk go four at a time through short_rows_forward
     # (rows of one vector at most: a vector's width of rows at a time through
@@ -189,8 +189,8 @@ def test_short_row_blocks_equal_the_general_path(dtype, op, columns):
 @pytest.mark.skipif(SERVING["cpu"] != "cpu", reason="the C++ CPU kernels' row blocks only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("columns", [1, 2, 4, 5, 8, 9, 16, 17])
-@pytest.mark.parametrize("masking", ["none", "per-row", "broadcast"])
+@pytest.mark.parametrize("columns", [1, 2, 4, 5, 8, 9, 16, 17, 31, 32, 33])
+@pytest.mark.parametrize("masking", ["none", "per-row", "transposed", "broadcast"])
 def test_a_rows_values_and_gradient_do_not_depend_on_its_neighbours(dtype, op, columns, masking):
     # Rows of one vector at most go a vector's width at a time through
     # narrow_rows_forward and narrow_rows_backward (the rows across the lanes);
@@ -198,7 +198,8 @@ def test_a_rows_values_and_gradient_do_not_depend_on_its_neighbours(dtype, op, c
     # the same bits, also in the blocks those paths leave to the per-row rules: a
     # NaN, +inf or all -inf row, an upstream gradient whose g - dot overflows
     # (softmax) or whose sum overflows (log_softmax); with a mask of the input's
-    # shape (a row of it all False) or one row of mask broadcast to every row.
+    # shape (a row of it all False; contiguous, or a transposed view whose columns
+    # are strided) or one row of mask broadcast to every row.
     gen = torch.Generator().manual_seed(100 + columns)
     rows = 83
     x = (torch.randn(rows, columns, generator=gen) * 4).to(dtype)
@@ -212,9 +213,11 @@ def test_a_rows_values_and_gradient_do_not_depend_on_its_neighbours(dtype, op, c
     g[20, ::2] = -big
     g[22] = big
     mask = None
-    if masking == "per-row":
+    if masking in ("per-row", "transposed"):
         mask = torch.rand(rows, columns, generator=gen) < 0.8
         mask[7] = False
+        if masking == "transposed":
+            mask = mask.t().contiguous().t()
     elif masking == "broadcast":
         mask = torch.arange(columns) != columns // 2 if columns > 1 else torch.ones(1, dtype=torch.bool)
     x.requires_grad_(True)
@@ -222,7 +225,7 @@ def test_a_rows_values_and_gradient_do_not_depend_on_its_neighbours(dtype, op, c
     whole = fn(x, -1, mask=mask)
     (grad_whole,) = torch.autograd.grad(whole, x, g)
     for i in range(rows):
-        row = fn(x[i:i + 1], -1, mask=mask[i:i + 1] if masking == "per-row" else mask)
+        row = fn(x[i:i + 1], -1, mask=mask[i:i + 1] if masking in ("per-row", "transposed") else mask)
         (grad_row,) = torch.autograd.grad(row, x, g[i:i + 1])
         assert torch.equal(row.nan_to_num(7.0), whole[i:i + 1].nan_to_num(7.0)), i
         assert torch.equal(grad_row[i].nan_to_num(7.0), grad_whole[i].nan_to_num(7.0)), i
