@@ -6,10 +6,10 @@
 // (W k + l) / n. A table of those rows lets vector k take its lanes' per-row
 // values with one permute (per_row: lane r of `rows` is row r's value), so the
 // block is processed as full vectors without branches, whatever rows a vector
-// spans. The other way round, entry j of each of the block's rows is one gather
-// (column: lane r holds row r's entry j; columns: all n of them), so that a
-// per-row reduction is a vertical one across n vectors, without a horizontal
-// reduction per row.
+// spans. The other way round, the block's columns (lane r holding row r's
+// entry j: a transpose in registers, or a gather per column) make a per-row
+// reduction a vertical one across n vectors, without a horizontal reduction per
+// row.
 #pragma once
 
 #include <cstdint>
@@ -70,15 +70,6 @@ struct FlatRows {
       }
     }
     for (int64_t j = 0; j < n; ++j) out[j] = column(block, j);
-  }
-
-  // v where bit l of `kept` is set, else `dropped`.
-  static Vec<acc_t> kept_or(const Vec<acc_t>& v, uint32_t kept, acc_t dropped) {
-    if constexpr (std::is_same_v<acc_t, float>) {
-      return Vec<float>(_mm512_mask_blend_ps(static_cast<__mmask16>(kept), _mm512_set1_ps(dropped), v));
-    } else {
-      return Vec<double>(_mm512_mask_blend_pd(static_cast<__mmask8>(kept), _mm512_set1_pd(dropped), v));
-    }
   }
 
   // Lane r: block[r n + j], entry j of the block's row r.

@@ -145,21 +145,29 @@ NANFREE_HOT_LOOP LseState<acc_t> chunk_state(const acc_t* x, int64_t n, acc_t m,
   return LseState<acc_t>{m, shifted_exp_sum<false>(x, m, exps, n)};
 }
 
+// Whether rows of n entries are narrow: one vector at most, taken a vector's
+// width of rows at a time by narrow_rows_forward / narrow_rows_backward (AVX-512).
+inline bool narrow_width(int64_t n, int64_t vector_width) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return n <= vector_width;
+#else
+  return false;
+#endif
+}
+
 // The log of a one-chunk row's sum of exps, as every path of the forward takes
-// it for rows of n entries, so that a row gets the same bits on each: for rows
-// narrow_rows_forward takes (n <= W with AVX-512), ATen's vector log (1 ulp;
+// it for rows of n entries, so that a row gets the same bits on each: for
+// narrow rows (narrow_width), ATen's vector log (1 ulp;
 // log(0) = -inf, log(+inf) = +inf, NaN stays NaN, as libm's), which it takes
 // for W rows at once (a libm log per row was a fifth of its time); libm's for
 // longer rows (a vector log per row would cost them up to 1.7x).
 template <typename acc_t>
 inline acc_t log_of_sum(acc_t sum, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if (n <= Vec<acc_t>::size()) {
+  if (narrow_width(n, Vec<acc_t>::size())) {
     acc_t out;
     Vec<acc_t>(sum).log().store(&out, 1);
     return out;
   }
-#endif
   return nf_log(sum);
 }
 
@@ -229,7 +237,7 @@ inline Vec<acc_t> tree_sum(Vec<acc_t>* e) {
 // A block's mask as lane bits (narrow_rows_forward / narrow_rows_backward):
 // bit l of vectors[k] is set when the block's flat entry W k + l is kept. The
 // block's mask rows are copied end to end (a masked byte load and store per
-// row for the usual unit column stride), then read a vector at a time.
+// row for the usual unit column stride), then read a vector at a time (keep_bits).
 // `first_row` is the block's first row in the problem (its mask row).
 template <typename acc_t>
 struct BlockMask {
@@ -237,20 +245,17 @@ struct BlockMask {
   uint32_t vectors[W];
 
   BlockMask(const MaskView& mask, int64_t first_row, int64_t n) {
-    alignas(64) uint8_t flat[W * W + 16];  // n <= W rows of n bytes, and room for the last load
+    alignas(64) bool flat[W * W];  // n <= W rows of n entries
     const __mmask16 first_n = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t r = 0; r < W; ++r) {
       const bool* keep = mask.data + mask_row_offset(mask, first_row + r);
       if (mask.col_stride == 1) {
         _mm_mask_storeu_epi8(flat + r * n, first_n, _mm_maskz_loadu_epi8(first_n, keep));
       } else {
-        for (int64_t j = 0; j < n; ++j) flat[r * n + j] = keep[j * mask.col_stride] ? 1 : 0;
+        for (int64_t j = 0; j < n; ++j) flat[r * n + j] = keep[j * mask.col_stride];
       }
     }
-    for (int64_t k = 0; k < n; ++k) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(flat + W * k));
-      vectors[k] = _mm_test_epi8_mask(bytes, bytes) & ((1u << W) - 1);
-    }
+    for (int64_t k = 0; k < n; ++k) vectors[k] = keep_bits(flat + W * k, 1, W);
   }
 };
 
@@ -284,7 +289,7 @@ NANFREE_HOT_LOOP int64_t narrow_rows_forward(const acc_t* x, int64_t rows, const
     if (mask.data != nullptr) {
       const BlockMask<acc_t> keep(mask, first_row + done, n);
       for (int64_t k = 0; k < n; ++k) {
-        f.kept_or(V::loadu(xb + W * k), keep.vectors[k], -nf_inf<acc_t>()).store(seen + W * k);
+        blend_bits(V(-nf_inf<acc_t>()), V::loadu(xb + W * k), keep.vectors[k]).store(seen + W * k);
       }
       entries = seen;
     }
@@ -339,7 +344,7 @@ void forward_kernel(const ForwardArgs& args) {
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
 #if defined(CPU_CAPABILITY_AVX512)
   // Rows of one vector at most go W at a time across the lanes (narrow_rows_forward).
-  const bool narrow = same_type && kind != SoftmaxKind::LogSumExp && cols <= V::size();
+  const bool narrow = same_type && kind != SoftmaxKind::LogSumExp && narrow_width(cols, V::size());
   const FlatRows<acc_t> narrow_table(narrow ? cols : 0);
 #endif
 
@@ -572,7 +577,7 @@ NANFREE_HOT_LOOP int64_t narrow_rows_backward(const acc_t* g, const acc_t* y, co
     } else if (keep) {
       // The kept g: a dropped one adds 0, whatever it held.
       alignas(64) acc_t kept_g[W * W];
-      for (int64_t k = 0; k < n; ++k) f.kept_or(V::loadu(gb + W * k), keep->vectors[k], acc_t(0)).store(kept_g + W * k);
+      for (int64_t k = 0; k < n; ++k) blend_bits(zero, V::loadu(gb + W * k), keep->vectors[k]).store(kept_g + W * k);
       f.columns(kept_g, c);
     } else {
       f.columns(gb, c);
@@ -606,7 +611,7 @@ NANFREE_HOT_LOOP int64_t narrow_rows_backward(const acc_t* g, const acc_t* y, co
       for (int64_t k = 0; k < n; ++k) {
         const V sum = f.per_row(k, reduction);
         const V d = saturate_vec(V::loadu(gb + W * k) - shifted_exp(V::loadu(yb + W * k)) * sum, out_max, out_min);
-        (keep ? f.kept_or(d, keep->vectors[k], acc_t(0)) : d).store(db + W * k);  // dropped: 0
+        (keep ? blend_bits(zero, d, keep->vectors[k]) : d).store(db + W * k);  // dropped: 0
       }
     }
   }
@@ -628,7 +633,7 @@ void backward_kernel(const BackwardArgs& args) {
 #if defined(CPU_CAPABILITY_AVX512)
   // Rows of one vector at most go W at a time across the lanes (narrow_rows_backward).
   // (A masked softmax backward stays per row: it measured 3.9x torch's at [65536, 16].)
-  const bool narrow = same_type && cols <= Vec<acc_t>::size() &&
+  const bool narrow = same_type && narrow_width(cols, Vec<acc_t>::size()) &&
                       (kind == SoftmaxKind::LogSoftmax || (kind == SoftmaxKind::Softmax && mask.data == nullptr));
   const FlatRows<acc_t> narrow_table(narrow ? cols : 0);
 #endif

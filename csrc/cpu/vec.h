@@ -298,16 +298,36 @@ Vec<acc_t> saturate_vec(const Vec<acc_t>& x, const Vec<acc_t>& out_max, const Ve
   return at::vec::clamp_max(at::vec::clamp_min(x, out_min), out_max);
 }
 
-// b in lanes [0, count), a in the others (Vec::set without its switch).
-template <typename acc_t>
-inline Vec<acc_t> first_lanes(const Vec<acc_t>& a, const Vec<acc_t>& b, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const unsigned bits = (1u << count) - 1u;
+// b in the lanes whose bit is set in `bits`, a in the others: one masked blend.
+template <typename acc_t>
+inline Vec<acc_t> blend_bits(const Vec<acc_t>& a, const Vec<acc_t>& b, uint32_t bits) {
   if constexpr (std::is_same_v<acc_t, float>) {
     return Vec<acc_t>(_mm512_mask_blend_ps(static_cast<__mmask16>(bits), a, b));
   } else {
     return Vec<acc_t>(_mm512_mask_blend_pd(static_cast<__mmask8>(bits), a, b));
   }
+}
+
+// Bit l set where keep[l * stride] is true, for l < count (at most 16): one
+// masked byte load and test for a unit stride.
+inline uint32_t keep_bits(const bool* keep, int64_t stride, int64_t count) {
+  if (stride == 1) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+    const __m128i bytes = _mm_maskz_loadu_epi8(valid, keep);
+    return _mm_test_epi8_mask(bytes, bytes);
+  }
+  uint32_t bits = 0;
+  for (int64_t l = 0; l < count; ++l) bits |= (keep[l * stride] ? 1u : 0u) << l;
+  return bits;
+}
+#endif
+
+// b in lanes [0, count), a in the others (Vec::set without its switch).
+template <typename acc_t>
+inline Vec<acc_t> first_lanes(const Vec<acc_t>& a, const Vec<acc_t>& b, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return blend_bits(a, b, (1u << count) - 1u);
 #else
   return Vec<acc_t>::set(a, b, count);
 #endif
@@ -337,11 +357,9 @@ inline Vec<acc_t> keep_lanes(const bool* keep, int64_t stride, int64_t count) {
   constexpr int64_t w = V::size();
 #if defined(CPU_CAPABILITY_AVX512)
   if (stride == 1) {  // one masked byte load
-    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-    const __m128i bytes = _mm_maskz_loadu_epi8(valid, keep);
-    const __mmask16 kept = _mm_test_epi8_mask(bytes, bytes);
+    const uint32_t kept = keep_bits(keep, 1, count);
     if constexpr (std::is_same_v<acc_t, float>) {
-      return V(_mm512_castsi512_ps(_mm512_movm_epi32(kept)));
+      return V(_mm512_castsi512_ps(_mm512_movm_epi32(static_cast<__mmask16>(kept))));
     } else {
       return V(_mm512_castsi512_pd(_mm512_movm_epi64(static_cast<__mmask8>(kept))));
     }
