@@ -38,6 +38,16 @@ __all__ = [
 ]
 
 _is_compiling = torch.compiler.is_compiling
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+
+
+def _entry_allowed():
+    """Whether a call may take a C++ entry point of nanfree._C (one crossing
+    instead of the torch.ops steps): not while torch.compile traces (Dynamo
+    does not trace into it), and not under a TorchFunctionMode (nanfree.debug's
+    detect_anomaly names the user's line of a call by the torch calls it sees,
+    the Python steps', of which the entry point makes none)."""
+    return not (_is_compiling() or _function_mode_enabled())
 
 
 def _check_python_types(op, input, dim, dtype=None, mask=None):
@@ -64,7 +74,7 @@ def _distribution(op, entry, input, dim, dtype, mask):
     """softmax or log_softmax: the C++ entry point, or what torch.compile traces
     (the same steps through torch.ops)."""
     _check_dtype_and_dim(op, dtype, dim)
-    if not _is_compiling():
+    if _entry_allowed():
         try:
             return entry(input, dim, dtype, mask)
         except TypeError:
@@ -100,7 +110,7 @@ def logsumexp(input, dim, keepdim=False, *, mask=None):
     empty or fully masked set, +inf if an entry is +inf, gradient 0 for both."""
     if isinstance(dim, int):
         _check_dtype_and_dim("logsumexp", None, dim)
-        if not _is_compiling():
+        if _entry_allowed():
             try:
                 return _C.logsumexp(input, dim, keepdim, mask)
             except TypeError:
@@ -148,7 +158,7 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     is divided by max(‖x‖, eps), the result is clamped to [-1, 1], a zero vector
     gives 0, and the gradient is finite everywhere (0 for a vector below eps)."""
     _check_dtype_and_dim("cosine_similarity", None, dim)
-    if not _is_compiling():
+    if _entry_allowed():
         try:
             return _C.cosine_similarity(x1, x2, dim, eps)
         except TypeError:
@@ -184,7 +194,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     check_number("normalize", "p", p)
     if not p > 0:
         raise ValueError(f"nanfree.normalize: `p` must be positive, got {p}")
-    if p == 2 and out is None and not _is_compiling():
+    if p == 2 and out is None and _entry_allowed():
         try:
             return _C.normalize(input, dim, eps)
         except TypeError:
@@ -270,7 +280,7 @@ def cos_sim(a, b):
     """``sentence_transformers.util.cos_sim``: the [N, M] matrix of cosine
     similarities of the rows of ``a`` [N, d] and ``b`` [M, d] (a 1-D input is
     one row), as one GEMM of the normalized rows, clamped to [-1, 1]."""
-    if not _is_compiling():
+    if _entry_allowed():
         try:
             return _C.cos_sim(a, b)
         except TypeError:
@@ -445,7 +455,7 @@ def _unary(op, input, out):
     while torch.compile traces; out= through <op>_out, which writes into `out`
     (computed and copied while torch.compile traces, or for an `out` of another
     dtype)."""
-    fast = out is None and not _is_compiling()
+    fast = out is None and _entry_allowed()
     if out is not None and _plain_out(out, input):
         _out_op(op)(input, out)
         return out
@@ -583,7 +593,7 @@ def _binary(op, input, other, out, other_name="other"):
     round it). Two plain tensors without `out` go straight to the op's C++ entry
     point (nanfree._C.<op>, about a microsecond less than torch.ops), as the unary
     ops do."""
-    if out is None and type(input) is torch.Tensor and not _is_compiling():
+    if out is None and type(input) is torch.Tensor and _entry_allowed():
         if type(other) is not torch.Tensor:
             # A float or int beside a float32 / float64 tensor: the 0-d tensor
             # _binary_operand would make, made here (half the per-call time of

@@ -236,6 +236,43 @@ def test_nanfree_ops_are_checked_and_pass(device):
     assert info.value.op.startswith("nanfree.softmax") and info.value.inherited
 
 
+def _calls_of_ops_with_entry_points(bad):
+    """A call of each nanfree op that has a C++ entry point (nanfree._C), whose
+    input holds a NaN; one line each."""
+    probabilities = torch.rand_like(bad)
+    classes = torch.zeros(bad.shape[0], dtype=torch.int64, device=bad.device)
+    return [
+        lambda: nf.softmax(bad, -1),
+        lambda: nf.log_softmax(bad, -1),
+        lambda: nf.logsumexp(bad, -1),
+        lambda: nf.cosine_similarity(bad, probabilities),
+        lambda: nf.normalize(bad),
+        lambda: nf.cos_sim(bad, probabilities),
+        lambda: nf.sqrt(bad),
+        lambda: nf.div_no_nan(bad, probabilities),
+        lambda: nf.pow(bad, 2.0),
+        lambda: nf.cross_entropy(bad, classes),
+        lambda: nf.cross_entropy(bad, classes, reduction="none"),
+        lambda: nf.binary_cross_entropy_with_logits(bad, probabilities),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nanfree_op_is_reported_at_the_line_of_its_call(device):
+    """The region names the user's line of a call by the torch calls it sees:
+    inside it nanfree.ops takes the torch.ops steps, not the C++ entry points,
+    which no TorchFunctionMode sees (the report would come at the region's
+    end, naming its `with` line)."""
+    bad = torch.randn(3, 4, device=device)
+    bad[0, 0] = float("nan")
+    for call in _calls_of_ops_with_entry_points(bad):
+        with pytest.raises(NonFiniteError) as info, detect_anomaly():
+            call()
+        assert info.value.inherited  # at the op or at a step before it (broadcast_tensors)
+        line = f"{inspect.getsourcefile(call)}:{call.__code__.co_firstlineno}"
+        assert info.value.location == line, inspect.getsource(call)
+
+
 @independent
 def test_in_place_and_foreach_writes_are_checked_and_not_inherited():
     x = torch.tensor([-1.0, 2.0])
