@@ -13,6 +13,8 @@ the same expression:
   focal           torchvision's sigmoid_focal_loss, written out (torchvision is not
                   a dependency), reduction 'mean'
   kl_div          F.kl_div(log-probabilities, probabilities, reduction='batchmean')
+A latency section times each loss per call on a small batch ([32, 10] float32, the
+losses' C++ entry points' case), forward and forward+backward, against torch eager.
 GB/s counts the minimum bytes: forward reads the logits (and a probability target),
 backward reads them again and writes their gradient. Ratios are baseline time /
 nanfree time (above 1: nanfree faster). Writes
@@ -26,7 +28,8 @@ The issue's CPU targets: cross entropy forward+backward at [8192, 32000] and
 [32768, 1000] in float32 and bfloat16 at least torch eager's speed and 0.9x
 torch.compile's; with label smoothing and a mask at least 1.3x the composed masked
 expression; BCE and focal at least torch eager's. On a GPU: at least 85% of copy
-bandwidth at [8192, 32000] bfloat16.
+bandwidth at [8192, 32000] bfloat16. Per call on a small batch, on the CPU: at most
+1.5x torch's time (the softmax family's small-tensor target).
 """
 
 import functools
@@ -143,13 +146,35 @@ def bench_cases(bench):
         del x, args
 
 
+def bench_latency(bench):
+    calls, blocks, rounds = (100, 2, 2) if bench.mode == "quick" else (200, 10, max(bench.rounds, 5))
+    bench.section(f"latency: per-call time of a [32, 10] float32 batch; {rounds} alternating rounds "
+                  f"of {blocks} blocks of {calls} calls, fastest block (times in us; ratio = torch / "
+                  f"nanfree)", f"{'loss':<15}{'direction':<18}")
+    for loss in ("cross_entropy", "bce_logits", "focal", "kl_div"):
+        x, args = make_inputs(bench, loss, "float32", (32, 10))
+        ours, theirs = expressions(loss)
+        for direction in ("forward", "forward+backward"):
+            fields = dict(section="latency", op=loss, dtype="float32", shape="32x10", cols=10,
+                          mbytes=x.numel() * 4 / bc.MB)
+            record = bench.compare(fields, f"{loss:<15}{direction:<18}", {"nanfree": ours, "torch": theirs},
+                                   (x,), direction, None, args=args, number=calls, min_blocks=blocks,
+                                   rounds=rounds, unit="us")
+            record["per_call_ratio"] = 1 / record["ratio"]  # nanfree time / torch time
+
+
 def summary(bench):
+    latency = bc.select(bench.records, section="latency")
     records = bc.select(bench.records, section="losses")
     lines = bc.geomean_table(records, ("op", "direction"), "Geometric-mean ratio (baseline time / "
                              "nanfree time; above 1 = nanfree faster):")
     target = functools.partial(bc.target, describe_keys=("op", "dtype", "shape", "direction"))
     fb = bc.select(records, direction="forward+backward")
     ce = [r for r in fb if r["op"] == "cross_entropy"]
+    if latency:
+        lines.append("Latency, [32, 10] float32, per call (nanfree / torch; below 1 = nanfree faster):")
+        lines += [f"  {r['op']:<15} {r['direction']:<17} nanfree {r['nanfree_ms'] * 1e3:6.2f} us, "
+                  f"torch {r['torch_ms'] * 1e3:6.2f} us, {r['per_call_ratio']:.2f}x" for r in latency]
     lines += ["", f"Targets ({bench.device}):"]
     if bench.cuda:
         lines.append(target("GPU cross entropy forward+backward >= 85% of copy bandwidth at "
@@ -165,12 +190,15 @@ def summary(bench):
                    [r for r in fb if r["op"] == "ce smoothed"], at_least=1.3),
             target("CPU BCE with logits and focal forward+backward >= torch eager",
                    [r for r in fb if r["op"] in ("bce_logits", "focal")], at_least=1.0),
+            target("CPU small-batch per-call time <= 1.5x torch's (nanfree / torch)", latency,
+                   key="per_call_ratio", at_most=1.5),
         ]
     lines.append(f"  torch.compile baseline: {bench.compiler.reason or 'measured'}")
     return lines
 
 
 def plot(records, path):
+    records = bc.select(records, section="losses")
     return bc.plot_ratios(records, path, "nanfree losses: baseline time / nanfree time",
                           panel_key="op", x_key="mbytes", line_keys=("dtype",), x_label="MB of logits")
 
@@ -179,6 +207,7 @@ def main():
     args = bc.parser(__doc__.splitlines()[0]).parse_args()
     bench = bc.Bench(args, "losses")
     bench_cases(bench)
+    bench_latency(bench)
     bench.finish(summary(bench), plot)
 
 

@@ -46,10 +46,6 @@ std::tuple<at::Tensor, at::Tensor> gem_backward_op(const at::Tensor& grad, const
   return op.call(grad, input, p, p_value, stats, eps, mask, p_grad);
 }
 
-std::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // d gem / d p summed over reductions, as p's gradient: 0 beyond [1e-2, 1e2]
 // (compared in the accumulation dtype the kernels clamp in) and passed at the
 // bounds, as torch.clamp's gradient up to torch 2.13 (so that a p initialised

@@ -167,8 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mnr_gradients(AutogradContext* ct
     }
   } else {
     const std::vector<at::Tensor> docs(saved.begin() + 4, saved.end());
-    const std::optional<at::Tensor> scale =
-        saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
+    const std::optional<at::Tensor> scale = optional_of(saved[1]);
     std::tie(gq, gd, gs) = call_mnr_loss_backward(grad_loss.contiguous(), saved[0], docs, scale,
                                                   saved[2], saved_config(ctx));
   }

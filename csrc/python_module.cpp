@@ -11,4 +11,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   nanfree::bind_debug(m);
   nanfree::bind_elementwise(m);
   nanfree::bind_elementwise_binary(m);
+  nanfree::bind_losses(m);
 }

@@ -10,5 +10,6 @@ void bind_cosine(pybind11::module_& m);
 void bind_debug(pybind11::module_& m);
 void bind_elementwise(pybind11::module_& m);
 void bind_elementwise_binary(pybind11::module_& m);
+void bind_losses(pybind11::module_& m);
 
 }  // namespace nanfree

@@ -83,8 +83,7 @@ struct SoftmaxFamilyFunction : public torch::autograd::Function<Self> {
     const at::Tensor& grad_output = grads[0];
     if (!grad_output.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // output unused
     const variable_list saved = ctx->get_saved_variables();
-    const std::optional<at::Tensor> mask =
-        saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    const std::optional<at::Tensor> mask = optional_of(saved[2]);
     const int64_t dim = ctx->saved_data["dim"].toInt();
     return {call_backward_op<kind>(grad_output, saved[0], saved[1], dim, mask), at::Tensor(),
             at::Tensor()};

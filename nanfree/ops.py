@@ -707,12 +707,34 @@ def xlog1py(input, other, *, out=None):
 
 # --- losses (docs/losses.md) ------------------------------------------------------------
 
+_LOSS_REDUCTIONS = {name: i for i, name in enumerate(_C.LOSS_REDUCTIONS)}
+
+
+def _loss_entry(op, entry, tensors, *args):
+    """A loss's C++ entry point (the common call in one crossing; args end with
+    the reduction's name), or None for a call it leaves to
+    nanfree/_ops/losses.py: every other call, every error, and the calls
+    _entry_allowed leaves to the Python steps."""
+    if not _entry_allowed():
+        return None
+    try:
+        return entry(*args[:-1], _LOSS_REDUCTIONS[args[-1]])
+    except TypeError:
+        return None  # an argument of another type: the Python steps name it
+    except RuntimeError:
+        refuse_torch_func(op, *tensors)
+        raise
+
 
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None,
                                      reduction="mean", pos_weight=None):
     """torch.nn.functional.binary_cross_entropy_with_logits; finite at logits of +-inf."""
     op = "binary_cross_entropy_with_logits"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    result = _loss_entry(op, _C.pointwise_loss, (input, target), input, target, weight, pos_weight,
+                         _losses.BCE_WITH_LOGITS, 0.0, 0.0, reduction)
+    if result is not None:
+        return result
     return _losses.pointwise_call(op, _losses.BCE_WITH_LOGITS, input, target, weight, pos_weight,
                                   reduction=reduction)
 
@@ -723,6 +745,10 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     and gradient down to the dtype's smallest probability (no clamp at -100)."""
     op = "binary_cross_entropy"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    result = _loss_entry(op, _C.pointwise_loss, (input, target), input, target, weight, None,
+                         _losses.BCE, 0.0, 0.0, reduction)
+    if result is not None:
+        return result
     return _losses.pointwise_call(op, _losses.BCE, input, target, weight, reduction=reduction)
 
 
@@ -731,6 +757,10 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     op = "kl_div"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction, extra=("batchmean",))
     kind = _losses.KL_DIV_LOG_TARGET if log_target else _losses.KL_DIV
+    result = _loss_entry(op, _C.pointwise_loss, (input, target), input, target, None, None, kind,
+                         0.0, 0.0, reduction)
+    if result is not None:
+        return result
     return _losses.pointwise_call(op, kind, input, target, same_shape=False, reduction=reduction)
 
 
@@ -744,6 +774,10 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     check_number(op, "gamma", gamma)
     if not gamma >= 0:
         raise ValueError(f"nanfree.{op}: `gamma` must be >= 0, got {gamma}")
+    result = _loss_entry(op, _C.pointwise_loss, (inputs, targets), inputs, targets, None, None,
+                         _losses.SIGMOID_FOCAL, alpha, gamma, reduction)
+    if result is not None:
+        return result
     return _losses.pointwise_call(op, _losses.SIGMOID_FOCAL, inputs, targets, alpha=alpha,
                                   gamma=gamma, same_shape=False, reduction=reduction)
 
@@ -757,6 +791,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     left out of the mean, as ignore_index."""
     op = "cross_entropy"
     reduction = _losses.reduction_of(op, size_average, reduce, reduction)
+    result = _loss_entry(op, _C.cross_entropy, (input, target), input, target, weight, mask,
+                         ignore_index, label_smoothing, reduction)
+    if result is not None:
+        return result
     check_optional_tensor(op, "mask", mask)
     check_number(op, "label_smoothing", label_smoothing)
     return _losses.cross_entropy_call(input, target, weight, ignore_index, reduction,

@@ -32,6 +32,12 @@ inline bool needs_graph(const at::Tensor& t) {
   __builtin_unreachable();
 }
 
+// A saved optional tensor back: an undefined tensor stands for None (what
+// save_for_backward is given for an absent one, `t.value_or(at::Tensor())`).
+inline std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 // Whether any tensor argument (optional ones included) needs a graph.
 inline bool argument_needs_graph(const at::Tensor& t) { return needs_graph(t); }
 inline bool argument_needs_graph(const std::optional<at::Tensor>& t) {

@@ -55,4 +55,18 @@ using MnrLossBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, at::TensorList, const OptionalTensor&, double,
     const at::Tensor&, int64_t, int64_t, int64_t, int64_t, bool, int64_t, double, int64_t);
 
+// pointwise_loss and pointwise_loss_sum; pointwise_loss_backward; cross_entropy; cross_entropy_backward.
+using PointwiseLossSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                          const OptionalTensor&, int64_t, double, double);
+using PointwiseLossBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const OptionalTensor&,
+                                                  const OptionalTensor&, int64_t, double, double,
+                                                  int64_t);
+using CrossEntropySignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, int64_t,
+    double);
+using CrossEntropyBackwardSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+    const OptionalTensor&, int64_t, double, const at::Tensor&, bool);
+
 }  // namespace nanfree

@@ -3,12 +3,8 @@ binary_cross_entropy, kl_div, sigmoid_focal_loss; pointwise_loss_sum, their
 'mean' and 'sum' reductions; cross_entropy; and their backward ops): the
 op-level argument checks of the Python backends and fake kernels (the same
 errors, words and exception types as csrc/common/losses_op.h), the fakes, and
-the autograd.
-
-Autograd is registered here (torch.library.register_autograd), not in C++: a
-loss is called once per training step, so the microseconds a Python node costs
-do not count (docs/contributing.md's exception). The backward ops refuse to be
-differentiated (double backward through a loss is not implemented)."""
+the calls of nanfree.ops (type promotion, layout, autocast, reduction). The
+autograd is C++ (csrc/losses.cpp), as every family's."""
 
 import torch
 
@@ -149,81 +145,12 @@ def _fake_cross_entropy_backward(grad, input, target, weight, mask, ignore_index
     return input.new_empty(input.shape), grad_target
 
 
-# --- autograd ------------------------------------------------------------------------
-
-
-def _setup_pointwise(ctx, inputs, output):
-    input, target, weight, pos_weight, kind, alpha, gamma = inputs
-    ctx.save_for_backward(input, target, weight, pos_weight)
-    ctx.config = (kind, alpha, gamma)
-
-
-def _backward_pointwise(ctx, grad):
-    input, target, weight, pos_weight = ctx.saved_tensors
-    kind, alpha, gamma = ctx.config
-    # weight and pos_weight are constants of the loss; a gradient for them is refused
-    # before the forward runs (nanfree.ops), so none is asked for here.
-    grads = [None] * 7
-    for partial in (0, 1):
-        if ctx.needs_input_grad[partial]:
-            grads[partial] = torch.ops.nanfree.pointwise_loss_backward(
-                grad, input, target, weight, pos_weight, kind, alpha, gamma, partial)
-    return tuple(grads)
-
-
-def _backward_pointwise_sum(ctx, grad):
-    # d sum / d loss_i = 1: the upstream gradient, in the input's dtype (as torch's
-    # mean and sum backward give it), broadcast by the backward op itself (0-d: no
-    # tensor of the input's size is formed for it).
-    input = ctx.saved_tensors[0]
-    return _backward_pointwise(ctx, grad.to(input.dtype))
-
-
-def _setup_cross_entropy(ctx, inputs, output):
-    input, target, weight, mask, ignore_index, label_smoothing = inputs
-    ctx.save_for_backward(input, target, weight, mask, output[1])
-    ctx.config = (ignore_index, label_smoothing)
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)
-
-
-def _backward_cross_entropy(ctx, grad_loss, _grad_stats):
-    if grad_loss is None:
-        return (None,) * 6
-    input, target, weight, mask, stats = ctx.saved_tensors
-    target_grad = ctx.needs_input_grad[1] and target.dtype != torch.int64
-    grad_input, grad_target = torch.ops.nanfree.cross_entropy_backward(
-        grad_loss.contiguous(), input, target, weight, mask, *ctx.config, stats, target_grad)
-    return (grad_input if ctx.needs_input_grad[0] else None,
-            grad_target if target_grad else None, None, None, None, None)
-
-
-def _refusing_backward(op):
-    def backward(ctx, *grads):
-        raise RuntimeError(f"nanfree: nanfree::{op} has no derivative: double backward "
-                           f"(differentiating a gradient) of the losses family is not implemented")
-
-    def setup(ctx, inputs, output):
-        pass
-
-    return backward, setup
-
-
 def register():
     fake_kernels([("pointwise_loss", _fake_pointwise_loss),
                   ("pointwise_loss_sum", _fake_pointwise_loss_sum),
                   ("pointwise_loss_backward", _fake_pointwise_loss_backward),
                   ("cross_entropy", _fake_cross_entropy),
                   ("cross_entropy_backward", _fake_cross_entropy_backward)])
-    torch.library.register_autograd("nanfree::pointwise_loss", _backward_pointwise,
-                                    setup_context=_setup_pointwise)
-    torch.library.register_autograd("nanfree::pointwise_loss_sum", _backward_pointwise_sum,
-                                    setup_context=_setup_pointwise)
-    torch.library.register_autograd("nanfree::cross_entropy", _backward_cross_entropy,
-                                    setup_context=_setup_cross_entropy)
-    for op in ("pointwise_loss_backward", "cross_entropy_backward"):
-        backward, setup = _refusing_backward(op)
-        torch.library.register_autograd(f"nanfree::{op}", backward, setup_context=setup)
 
 
 # --- the calls of nanfree.ops ----------------------------------------------------------
@@ -401,11 +328,11 @@ def cross_entropy_call(input, target, weight, ignore_index, reduction, label_smo
     total = loss.sum()
     if reduction == "sum":
         return total.to(input.dtype)
-    denominator = stats.select(-1, 4).sum()
     # No position counted (all ignored or masked): the mean of nothing is 0, not 0 / 0.
-    if denominator.device.type == "cpu" and not torch.compiler.is_compiling():
+    if stats.device.type == "cpu" and not torch.compiler.is_compiling():
         # A CPU value is read without waiting: a division by the number (the
-        # denominator has no gradient), 3 µs less than the compare and select.
-        count = float(denominator)
+        # denominator has no gradient), summed in float64 as csrc/losses.cpp's.
+        count = float(stats.select(-1, 4).sum(dtype=torch.float64))
         return (total / count if count > 0 else total).to(input.dtype)
+    denominator = stats.select(-1, 4).sum()
     return (total / torch.where(denominator > 0, denominator, 1.0)).to(input.dtype)
