@@ -64,6 +64,15 @@ at::Tensor binary_entry(const at::Tensor& input, const at::Tensor& other) {
   return binary_handle<op>().call(input, other);
 }
 
+// The entry point for a float32 or float64 tensor and a Python number the
+// dtype holds (nanfree.ops checks both; nanfree._C.<op>_number): the number
+// as the 0-d tensor of the tensor's dtype and device torch.scalar_tensor
+// makes, made here (a third of pow(x, 2.0)'s call when made in Python).
+template <BinaryOp op>
+at::Tensor binary_number_entry(const at::Tensor& input, double other) {
+  return binary_handle<op>().call(input, at::scalar_tensor(other, input.options()));
+}
+
 // <op>_gradients through the dispatcher (its Autograd kernel below).
 template <BinaryOp op>
 std::tuple<at::Tensor, at::Tensor> call_binary_gradients(const at::Tensor& grad,
@@ -228,6 +237,11 @@ void bind_elementwise_binary(pybind11::module_& m) {
   m.def("div_no_nan", &binary_entry<BinaryOp::kDivNoNan>, release);
   m.def("xlogy", &binary_entry<BinaryOp::kXlogy>, release);
   m.def("xlog1py", &binary_entry<BinaryOp::kXlog1py>, release);
+  m.def("pow_number", &binary_number_entry<BinaryOp::kPow>, release);
+  m.def("atan2_number", &binary_number_entry<BinaryOp::kAtan2>, release);
+  m.def("div_no_nan_number", &binary_number_entry<BinaryOp::kDivNoNan>, release);
+  m.def("xlogy_number", &binary_number_entry<BinaryOp::kXlogy>, release);
+  m.def("xlog1py_number", &binary_number_entry<BinaryOp::kXlog1py>, release);
 }
 
 }  // namespace nanfree

@@ -384,6 +384,25 @@ def test_python_numbers_as_torch_takes_them(device, op):
             torch.testing.assert_close(ours, expected, equal_nan=True, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_number_entry_equals_the_op_with_the_number_as_a_tensor(device, op, dtype):
+    """nanfree._C.<op>_number, which nanfree.ops calls for a float32 or float64
+    tensor beside a Python number the dtype holds (the 0-d tensor made in C++),
+    gives the op's value and gradients with torch.scalar_tensor's 0-d tensor,
+    bit for bit."""
+    from nanfree import _C
+    x = torch.tensor([0.0, 1e-3, 0.7, 2.0, -1.5, 40.0], dtype=dtype, device=device)
+    numbers = (2.0, 0.5, 0.1, -3, 0, 7, -0.0, 1e-30, 3e38, 2**53 - 1, math.nan, math.inf, -math.inf)
+    for number in numbers:
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours = getattr(_C, f"{op}_number")(a, number)
+        theirs = getattr(_C, op)(b, torch.scalar_tensor(number, dtype=dtype, device=device))
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True, msg=str(number))
+        (ga,), (gb,) = torch.autograd.grad(ours.sum(), a), torch.autograd.grad(theirs.sum(), b)
+        torch.testing.assert_close(ga, gb, rtol=0, atol=0, equal_nan=True, msg=str(number))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_large_python_ints_rounded_once_as_torch(device, dtype):
     """An int past 2^53 becomes the dtype's value with one rounding, as torch's ops
