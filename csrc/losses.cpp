@@ -242,9 +242,10 @@ struct MeanDivisor {
       return;
     }
     double sum = 0.0;
-    AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "cross_entropy_mean", [&] {
-      const scalar_t* s = stats.const_data_ptr<scalar_t>();
-      for (int64_t i = 0, n = stats.numel(); i < n; i += kCrossEntropyStats) sum += s[i + 4];
+    const at::Tensor dense = stats.contiguous();  // every backend's is: no copy
+    AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "cross_entropy_mean", [&] {
+      const scalar_t* s = dense.const_data_ptr<scalar_t>();
+      for (int64_t i = 0, n = dense.numel(); i < n; i += kCrossEntropyStats) sum += s[i + 4];
     });
     if (sum > 0) count = sum;
   }

@@ -86,7 +86,6 @@ class NonFiniteError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def _internal(filename):
     """Whether a frame's file is torch's, nanfree's or the standard library's
     (whose folder may hold site-packages: the libraries there are the user's).
