@@ -27,6 +27,7 @@ import csv
 import gc
 import math
 import os
+import platform
 import re
 import shlex
 import statistics
@@ -67,6 +68,30 @@ def machine_slug(device):
     if torch.device(device).type == "cuda":
         return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     return f"cpu-{torch.get_num_threads()}-threads"
+
+
+def cpu_description():
+    """The CPU a run measured, as Linux names it ('AMD EPYC, family 26 model 2, L3
+    32768K'): hosts of one machine kind differ between runs, and so do ratios."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break  # the first processor's fields
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            fields["L3"] = f.read().strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    parts = [name]
+    if "cpu family" in fields:
+        parts.append(f"family {fields['cpu family']} model {fields.get('model', '?')}")
+    if "L3" in fields:
+        parts.append(f"L3 {fields['L3']}")
+    return ", ".join(parts)
 
 
 def command_line():
@@ -280,7 +305,7 @@ class Bench:
         self.max_load = os.getloadavg()[0]
         self.started = time.time()
         name = torch.cuda.get_device_name(self.device) if self.cuda else \
-            f"CPU, {torch.get_num_threads()} threads"
+            f"CPU, {torch.get_num_threads()} threads; {cpu_description()}"
         self.header = [
             f"command: {command_line()}",
             f"machine: {self.machine} ({name}); torch {torch.__version__}; {self.mode} run"
