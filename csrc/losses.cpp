@@ -62,15 +62,19 @@ at::Tensor pointwise_loss_backward_op(const at::Tensor& grad, const at::Tensor& 
   return op.call(grad, input, target, weight, pos_weight, kind, alpha, gamma, partial);
 }
 
+const c10::TypedOperatorHandle<CrossEntropySignature>& cross_entropy_handle() {
+  static const auto op = find_op<CrossEntropySignature>("nanfree::cross_entropy");
+  return op;
+}
+
 std::tuple<at::Tensor, at::Tensor> call_cross_entropy(const at::Tensor& input,
                                                       const at::Tensor& target,
                                                       const std::optional<at::Tensor>& weight,
                                                       const std::optional<at::Tensor>& mask,
                                                       int64_t ignore_index,
                                                       double label_smoothing) {
-  static const auto op = find_op<CrossEntropySignature>("nanfree::cross_entropy");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(input, target, weight, mask, ignore_index, label_smoothing);
+  return cross_entropy_handle().call(input, target, weight, mask, ignore_index, label_smoothing);
 }
 
 std::tuple<at::Tensor, at::Tensor> cross_entropy_backward_op(
@@ -273,9 +277,9 @@ struct CrossEntropyCall {
   int64_t ignore_index;
   double label_smoothing;
 
+  // Through the whole dispatcher (reduce() calls it below autograd).
   std::tuple<at::Tensor, at::Tensor> run() const {
-    static const auto op = find_op<CrossEntropySignature>("nanfree::cross_entropy");
-    return op.call(input, target, weight, keep, ignore_index, label_smoothing);
+    return cross_entropy_handle().call(input, target, weight, keep, ignore_index, label_smoothing);
   }
 
   // The logits (and probabilities) of the user's shape in the op's layout.
