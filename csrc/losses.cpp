@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/autograd.h"
+#include "common/checks.h"  // is_kernel_float
 #include "common/find_op.h"
 #include "common/layout.h"  // broadcasts_to
 #include "nanfree/losses_math.h"  // kCrossEntropyStats
@@ -204,10 +205,6 @@ struct NanfreeCrossEntropyBackwardBackward final
 // passes a reduction string's index).
 enum LossReduction : int64_t { kReduceNone = 0, kReduceMean = 1, kReduceSum = 2, kReduceBatchMean = 3 };
 constexpr const char* kLossReductions[] = {"none", "mean", "sum", "batchmean"};
-
-bool is_float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
 
 // A loss's constant operand (weight, pos_weight) the fast call takes as it is:
 // absent, or of the input's dtype and device, and not asking for a gradient
@@ -385,7 +382,7 @@ std::optional<at::Tensor> cross_entropy_entry(const at::Tensor& input, const at:
                                               const std::optional<at::Tensor>& mask,
                                               int64_t ignore_index, double label_smoothing,
                                               int64_t reduction) {
-  if (!is_float_dtype(input.scalar_type()) || input.dim() == 0 ||
+  if (!is_kernel_float(input.scalar_type()) || input.dim() == 0 ||
       at::autocast::is_autocast_enabled(input.device().type()) ||
       !(label_smoothing >= 0.0 && label_smoothing <= 1.0) || target.device() != input.device() ||
       !plain_operand(weight, input) || reduction < kReduceNone || reduction > kReduceSum) {
@@ -442,7 +439,7 @@ std::optional<at::Tensor> pointwise_loss_entry(const at::Tensor& input, const at
                                                int64_t reduction) {
   static const auto loss_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss");
   static const auto sum_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss_sum");
-  if (!is_float_dtype(input.scalar_type()) || target.scalar_type() != input.scalar_type() ||
+  if (!is_kernel_float(input.scalar_type()) || target.scalar_type() != input.scalar_type() ||
       target.sizes() != input.sizes() || target.device() != input.device() ||
       at::autocast::is_autocast_enabled(input.device().type()) || reduction < kReduceNone ||
       reduction > kReduceBatchMean) {

@@ -11,7 +11,8 @@ from error_checks import raises_before_any_kernel
 
 import nanfree.ops as nf
 
-NON_FLOAT = [torch.int64, torch.int32, torch.bool, torch.complex64]
+NON_FLOAT = [torch.int64, torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn,
+             torch.float8_e5m2]
 
 # Other devices than the CPU a tensor can be on here: "meta" always (no data),
 # "cuda" with a GPU.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import nanfree.ops as nf
+from error_checks import raises_before_any_kernel
 
 OPS = ("sqrt", "log", "log1p", "acos", "asin")
 
@@ -14,6 +15,19 @@ OPS = ("sqrt", "log", "log1p", "acos", "asin")
 def test_complex_input_is_refused(device, op):
     with pytest.raises(TypeError, match=f"nanfree.{op}: complex `input` is not supported"):
         getattr(nf, op)(torch.ones(3, dtype=torch.complex64, device=device))
+
+
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FLOAT_MESSAGE = r"must be float16, bfloat16, float32 or float64 \(integer and bool tensors are promoted"
+
+
+# float8 has no math kernels in torch either (torch.sqrt raises NotImplementedError).
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_float8_input_is_refused(op, dtype):
+    x = torch.ones(3).to(dtype)
+    raises_before_any_kernel(TypeError, rf"nanfree.{op}: `input` {FLOAT_MESSAGE}",
+                             getattr(nf, op), x)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -55,6 +69,16 @@ def test_binary_complex_is_refused(device, op):
         getattr(nf, op)(c, x)
     with pytest.raises(TypeError, match=f"nanfree.{op}: complex `other` is not supported"):
         getattr(torch.ops.nanfree, op)(x, c)
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("op", BINARY_OPS)
+def test_binary_float8_is_refused(op, dtype):
+    x, low = torch.ones(3), torch.ones(3).to(dtype)
+    raises_before_any_kernel(TypeError, rf"nanfree.{op}: `input` {FLOAT_MESSAGE}",
+                             getattr(nf, op), low, low)
+    raises_before_any_kernel(TypeError, rf"nanfree.{op}: `other` {FLOAT_MESSAGE}",
+                             getattr(torch.ops.nanfree, op), x, low)
 
 
 @pytest.mark.parametrize("op", BINARY_OPS)

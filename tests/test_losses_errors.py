@@ -23,6 +23,18 @@ def test_public_argument_errors(device, op):
                              reduction="average")
 
 
+# float8 has no math kernels in torch either; the C++ entry points leave it to
+# the Python checks, which name the loss.
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("op", POINTWISE + ("cross_entropy",))
+def test_float8_is_refused(op, dtype):
+    x, low = torch.rand(3, 4), torch.rand(3, 4).to(dtype)
+    message = "must be float16, bfloat16, float32 or float64, got"
+    fn = getattr(nf, op)
+    raises_before_any_kernel(TypeError, f"nanfree.{op}: `input` {message}", fn, low, x)
+    raises_before_any_kernel(TypeError, f"nanfree.{op}: `target` {message}", fn, x, low)
+
+
 @pytest.mark.parametrize("op", ["binary_cross_entropy_with_logits", "binary_cross_entropy"])
 def test_target_of_another_size(device, op):
     x = torch.rand(3, 4, device=device)

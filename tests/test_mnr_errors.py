@@ -14,7 +14,8 @@ from error_checks import NO_KERNEL, _Recorder
 
 import nanfree.ops as nf
 
-NON_FLOAT = [torch.int64, torch.int32, torch.bool, torch.complex64]
+NON_FLOAT = [torch.int64, torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn,
+             torch.float8_e5m2]
 FLOAT_MESSAGE = r"must be float16, bfloat16, float32 or float64, got"
 OTHER_DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")

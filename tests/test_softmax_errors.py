@@ -7,7 +7,8 @@ import nanfree.ops as nf
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "logsumexp"])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_non_float_input(op, dtype):
     x = torch.zeros(2, 3, dtype=dtype)
     with pytest.raises(TypeError, match=f"nanfree.{op}: `input`"):

@@ -12,9 +12,16 @@
 
 namespace nanfree {
 
+// The floating dtypes nanfree's kernels compute in. at::isFloatingType also
+// counts the float8 and float4 dtypes, which torch's own math kernels refuse.
+inline bool is_kernel_float(at::ScalarType dtype) {
+  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat ||
+         dtype == at::kDouble;
+}
+
 // TypeError in Python.
 inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "nanfree.", op, ": `", name,
+  TORCH_CHECK_TYPE(is_kernel_float(t.scalar_type()), "nanfree.", op, ": `", name,
                    "` must be float16, bfloat16, float32 or float64, got ", t.scalar_type());
 }
 

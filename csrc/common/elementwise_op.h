@@ -28,6 +28,15 @@ namespace nanfree {
 constexpr const char* kUnaryOpNames[] = {"sqrt", "log", "log1p", "acos", "asin"};
 constexpr int kUnaryOpCount = 5;
 
+// A floating operand of a dtype the kernels compute in: float8 and float4
+// are refused, as torch's own math kernels refuse them (TypeError in Python).
+inline void check_elementwise_float(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(!at::isFloatingType(t.scalar_type()) || is_kernel_float(t.scalar_type()),
+                   "nanfree.", op, ": `", name,
+                   "` must be float16, bfloat16, float32 or float64 (integer and bool tensors "
+                   "are promoted to the default float dtype), got ", t.scalar_type());
+}
+
 constexpr const char* unary_op_name(UnaryOp op) { return kUnaryOpNames[static_cast<int>(op)]; }
 
 inline std::string unary_backward_name(UnaryOp op) {
@@ -41,6 +50,7 @@ inline at::Tensor unary_operand(UnaryOp op, const at::Tensor& input) {
   TORCH_CHECK_TYPE(!at::isComplexType(input.scalar_type()), "nanfree.", unary_op_name(op),
                    ": complex `input` is not supported (got ", input.scalar_type(),
                    "); nanfree's elementwise ops are real-valued");
+  check_elementwise_float(unary_op_name(op), "input", input);
   if (at::isFloatingType(input.scalar_type())) return input;
   return input.to(c10::typeMetaToScalarType(c10::get_default_dtype()));
 }
@@ -142,6 +152,7 @@ inline at::ScalarType binary_dtype(BinaryOp op, const at::Tensor& input, const a
                      ": complex `", t == &input ? "input" : "other",
                      "` is not supported (got ", t->scalar_type(),
                      "); nanfree's elementwise ops are real-valued");
+    check_elementwise_float(binary_op_name(op), t == &input ? "input" : "other", *t);
   }
   const at::ScalarType dtype = at::result_type(input, other);
   if (at::isFloatingType(dtype)) return dtype;

@@ -105,10 +105,6 @@ inline void check_cross_entropy(const at::Tensor& input, const at::Tensor& targe
                     ": `label_smoothing` must be in [0, 1], got ", label_smoothing);
 }
 
-inline at::ScalarType loss_acc_type(const at::Tensor& input) {
-  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 inline void check_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& input,
                                          const at::Tensor& target,
                                          const std::optional<at::Tensor>& weight,
@@ -118,7 +114,7 @@ inline void check_cross_entropy_backward(const at::Tensor& grad, const at::Tenso
   check_cross_entropy(input, target, weight, mask, label_smoothing);
   const char* op = "cross_entropy_backward";
   const int64_t outer = input.size(0), inner = input.size(2);
-  const at::ScalarType acc = loss_acc_type(input);
+  const at::ScalarType acc = acc_dtype(input.scalar_type());
   TORCH_CHECK_VALUE(grad.scalar_type() == acc && grad.dim() == 2 && grad.size(0) == outer &&
                         grad.size(1) == inner,
                     "nanfree.", op, ": `grad` must be [outer, inner] = [", outer, ", ", inner,

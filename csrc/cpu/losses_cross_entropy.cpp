@@ -324,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_cpu(const at::Tensor& input_arg
   const at::Tensor input = input_arg.contiguous(), target = target_arg.contiguous();
   const std::optional<at::Tensor> weight = contiguous_weight(weight_arg);
   const int64_t outer = input.size(0), inner = input.size(2);
-  const auto acc_options = input.options().dtype(loss_acc_type(input));
+  const auto acc_options = input.options().dtype(acc_dtype(input.scalar_type()));
   at::Tensor loss = at::empty({outer, inner}, acc_options);
   at::Tensor stats = at::empty({outer, inner, kCrossEntropyStats}, acc_options);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "cross_entropy", [&] {

@@ -183,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& input,
   const c10::OptionalDeviceGuard device_guard(input.device());  // as in pointwise_loss
   check_cross_entropy(input, target, weight, mask, label_smoothing);
   const int64_t outer = input.size(0), inner = input.size(2);
-  const auto acc_options = input.options().dtype(loss_acc_type(input));
+  const auto acc_options = input.options().dtype(acc_dtype(input.scalar_type()));
   at::Tensor loss = at::empty({outer, inner}, acc_options);
   at::Tensor stats = at::empty({outer, inner, kCrossEntropyStats}, acc_options);
   if (loss.numel() == 0) return {loss, stats};

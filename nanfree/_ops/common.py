@@ -9,7 +9,9 @@ import numbers
 
 import torch
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The floating dtypes nanfree's kernels compute in (not float8 or float4, which
+# torch's own math kernels refuse too).
+KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def acc_dtype(dtype):
@@ -17,7 +19,7 @@ def acc_dtype(dtype):
 
 
 def check_float(op, name, t):
-    if t.dtype not in _FLOATS:
+    if t.dtype not in KERNEL_FLOATS:
         raise TypeError(
             f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
 

@@ -13,7 +13,7 @@ torch's `/`."""
 import torch
 from torch._prims_common import compute_elementwise_output_strides
 
-from .common import check_device, check_float, fake_kernels
+from .common import KERNEL_FLOATS, check_device, check_float, fake_kernels
 
 UNARY_OPS = ("sqrt", "log", "log1p", "acos", "asin")
 BINARY_OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
@@ -24,12 +24,22 @@ OUT_OPS = tuple(f"{op}_out" for op in FORWARD_OPS)
 OPS = FORWARD_OPS + BACKWARD_OPS + OUT_OPS
 
 
+def check_elementwise_float(op, name, t):
+    """A floating operand of a dtype the kernels compute in: float8 and float4
+    are refused, as torch's own math kernels refuse them (TypeError)."""
+    if t.dtype.is_floating_point and t.dtype not in KERNEL_FLOATS:
+        raise TypeError(f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64 "
+                        f"(integer and bool tensors are promoted to the default float dtype), "
+                        f"got {t.dtype}")
+
+
 def unary_dtype(op, input):
     """The floating dtype the op computes in: integer and bool inputs promote to
     the default float dtype, as torch's; complex is refused (TypeError)."""
     if input.dtype.is_complex:
         raise TypeError(f"nanfree.{op}: complex `input` is not supported (got {input.dtype}); "
                         f"nanfree's elementwise ops are real-valued")
+    check_elementwise_float(op, "input", input)
     return input.dtype if input.dtype.is_floating_point else torch.get_default_dtype()
 
 
@@ -68,6 +78,7 @@ def binary_dtype(op, input, other):
         if t.dtype.is_complex:
             raise TypeError(f"nanfree.{op}: complex `{name}` is not supported (got {t.dtype}); "
                             f"nanfree's elementwise ops are real-valued")
+        check_elementwise_float(op, name, t)
     dtype = torch.result_type(input, other)
     return dtype if dtype.is_floating_point else torch.get_default_dtype()
 

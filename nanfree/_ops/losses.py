@@ -8,7 +8,7 @@ autograd is C++ (csrc/losses.cpp), as every family's."""
 
 import torch
 
-from .common import acc_dtype, broadcast_mask, broadcasts_to, check_device, check_float, fake_kernels
+from .common import KERNEL_FLOATS, acc_dtype, broadcast_mask, broadcasts_to, check_device, check_float, fake_kernels
 
 # PointwiseLoss of losses_math.h.
 BCE_WITH_LOGITS, BCE, KL_DIV, KL_DIV_LOG_TARGET, SIGMOID_FOCAL = range(5)
@@ -193,6 +193,9 @@ def _floating(op, name, t):
         raise TypeError(f"nanfree.{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype.is_complex:
         raise TypeError(f"nanfree.{op}: complex `{name}` is not supported (got {t.dtype})")
+    if t.dtype.is_floating_point and t.dtype not in KERNEL_FLOATS:  # float8, float4
+        raise TypeError(f"nanfree.{op}: `{name}` must be float16, bfloat16, float32 or float64, "
+                        f"got {t.dtype}")
 
 
 def pointwise_call(op, kind, input, target, weight=None, pos_weight=None, alpha=0.0, gamma=0.0,
