@@ -18,6 +18,7 @@
 // nanfree/_ops/losses.py then makes with the same steps (and every error
 // message): the Python steps cost a small batch's loss 4-5x torch's call.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/autocast_mode.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -87,6 +88,34 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward_op(
                  target_grad);
 }
 
+// What a pointwise loss's node keeps for its backward.
+void save_pointwise_loss(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& target,
+                         const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& pos_weight, int64_t kind, double alpha,
+                         double gamma) {
+  ctx->save_for_backward(
+      {input, target, weight.value_or(at::Tensor()), pos_weight.value_or(at::Tensor())});
+  ctx->saved_data["kind"] = kind;
+  ctx->saved_data["alpha"] = alpha;
+  ctx->saved_data["gamma"] = gamma;
+}
+
+// A pointwise loss node's gradients (in input and target, where asked) for
+// the upstream gradient `grad` of each loss (0-d: the same for every one);
+// `arguments`: the node's number of forward arguments.
+variable_list pointwise_loss_gradients(AutogradContext* ctx, const variable_list& saved,
+                                       const at::Tensor& grad, size_t arguments) {
+  variable_list out(arguments);
+  for (int64_t partial : {0, 1}) {
+    if (!ctx->needs_input_grad(partial)) continue;
+    out[partial] = pointwise_loss_backward_op(
+        grad, saved[0], saved[1], optional_of(saved[2]), optional_of(saved[3]),
+        ctx->saved_data["kind"].toInt(), ctx->saved_data["alpha"].toDouble(),
+        ctx->saved_data["gamma"].toDouble(), partial);
+  }
+  return out;
+}
+
 // pointwise_loss (kSum false) and pointwise_loss_sum (true). weight and
 // pos_weight are constants of the loss: nanfree.ops refuses one that needs a
 // gradient before the op runs, so none is given here.
@@ -97,11 +126,7 @@ struct PointwiseLossFunction : torch::autograd::Function<Self> {
                                const std::optional<at::Tensor>& pos_weight, int64_t kind,
                                double alpha, double gamma) {
     at::Tensor loss = call_pointwise_loss<kSum>(input, target, weight, pos_weight, kind, alpha, gamma);
-    ctx->save_for_backward(
-        {input, target, weight.value_or(at::Tensor()), pos_weight.value_or(at::Tensor())});
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["alpha"] = alpha;
-    ctx->saved_data["gamma"] = gamma;
+    save_pointwise_loss(ctx, input, target, weight, pos_weight, kind, alpha, gamma);
     return {loss};
   }
 
@@ -112,15 +137,7 @@ struct PointwiseLossFunction : torch::autograd::Function<Self> {
     // (as torch's mean and sum backward give it), a 0-d tensor the backward op
     // broadcasts itself (no tensor of the input's size is formed for it).
     const at::Tensor grad = kSum ? grads[0].to(input.scalar_type()) : grads[0];
-    variable_list out(7);
-    for (int64_t partial : {0, 1}) {
-      if (!ctx->needs_input_grad(partial)) continue;
-      out[partial] = pointwise_loss_backward_op(
-          grad, input, saved[1], optional_of(saved[2]), optional_of(saved[3]),
-          ctx->saved_data["kind"].toInt(), ctx->saved_data["alpha"].toDouble(),
-          ctx->saved_data["gamma"].toDouble(), partial);
-    }
-    return out;
+    return pointwise_loss_gradients(ctx, saved, grad, 7);
   }
 };
 
@@ -226,6 +243,19 @@ bool indices_in_range(const at::Tensor& target, int64_t classes, int64_t ignore_
   return ok;
 }
 
+// A fresh 0-d sum divided by a count, as `sum / count` gives it (at::div by a
+// number: the count rounded to the sum's dtype, then one division). On the
+// CPU in place, without at::div's dispatch (a microsecond, a fifth of a small
+// batch's loss).
+at::Tensor divide_sum(at::Tensor sum, double count) {
+  if (!sum.device().is_cpu()) return sum / count;
+  AT_DISPATCH_FLOATING_TYPES(sum.scalar_type(), "loss_mean", [&] {
+    scalar_t* value = sum.mutable_data_ptr<scalar_t>();
+    *value = *value / static_cast<scalar_t>(count);
+  });
+  return sum;
+}
+
 // The mean's divisor from the op's statistics: the sum of the counted
 // positions' weights, read on the CPU without a host sync (a double sum, as
 // nanfree/_ops/losses.py's), else a 0-d tensor on the device. No position
@@ -250,16 +280,9 @@ struct MeanDivisor {
     });
     if (sum > 0) count = sum;
   }
-  // A fresh 0-d sum divided. On the CPU in place, as at::div divides by a
-  // number (the count in the sum's dtype), without its dispatch (a
-  // microsecond, a fifth of a small batch's loss).
+  // A fresh 0-d sum divided (divide_sum on the CPU).
   at::Tensor divide(at::Tensor sum) const {
-    if (tensor.defined()) return sum / tensor;
-    AT_DISPATCH_FLOATING_TYPES(sum.scalar_type(), "cross_entropy_mean", [&] {
-      scalar_t* value = sum.mutable_data_ptr<scalar_t>();
-      *value = *value / static_cast<scalar_t>(count);
-    });
-    return sum;
+    return tensor.defined() ? sum / tensor : divide_sum(std::move(sum), count);
   }
 };
 
@@ -429,6 +452,61 @@ std::optional<at::Tensor> cross_entropy_entry(const at::Tensor& input, const at:
   return NanfreeCrossEntropyLossBackward::reduce(call, mean, input.scalar_type(), nullptr, nullptr);
 }
 
+// A pointwise loss reduced to a scalar ('mean', 'sum', 'batchmean') as one
+// graph node: pointwise_loss_sum, divided by the count and cast to the
+// input's dtype below autograd; in the backward the upstream gradient cast to
+// the sum's dtype, divided by the same count, cast back and given 0-d to
+// pointwise_loss_backward, which broadcasts it. The same values as the sum's
+// node followed by a division and a cast (nanfree/_ops/losses.py's steps,
+// which torch.compile traces), without those two nodes (a third of a small
+// batch's forward and backward).
+struct NanfreePointwiseLossReducedBackward final
+    : torch::autograd::Function<NanfreePointwiseLossReducedBackward> {
+  static at::Tensor reduce(const at::Tensor& input, const at::Tensor& target,
+                           const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& pos_weight, int64_t kind, double alpha,
+                           double gamma, int64_t count) {
+    static const auto sum_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss_sum");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor total = sum_op.call(input, target, weight, pos_weight, kind, alpha, gamma);
+    // A mean over nothing is 0 (as cross_entropy's), not 0 / 0.
+    if (count > 1) total = divide_sum(std::move(total), static_cast<double>(count));
+    return total.to(input.scalar_type());
+  }
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
+                               const at::Tensor& target, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& pos_weight, int64_t kind,
+                               double alpha, double gamma, int64_t count) {
+    save_pointwise_loss(ctx, input, target, weight, pos_weight, kind, alpha, gamma);
+    ctx->saved_data["count"] = count;
+    return {reduce(input, target, weight, pos_weight, kind, alpha, gamma, count)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const int64_t count = ctx->saved_data["count"].toInt();
+    at::Tensor grad;
+    if (grads[0].device().is_cpu() && !needs_graph(grads[0])) {
+      // The tensor steps below on numbers (a CPU value is read without waiting).
+      grad = at::empty({}, input.options());
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+                                      "pointwise_loss_reduced_backward", [&] {
+        using acc_t = at::opmath_type<scalar_t>;  // the sum's dtype
+        acc_t value = static_cast<acc_t>(grads[0].item<scalar_t>());
+        if (count > 1) value = value / static_cast<acc_t>(count);
+        *grad.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(value);
+      });
+    } else {
+      grad = grads[0].to(at::toOpMathType(input.scalar_type()));
+      if (count > 1) grad = grad / count;
+      grad = grad.to(input.scalar_type());
+    }
+    return pointwise_loss_gradients(ctx, saved, grad, 8);
+  }
+};
+
 // nanfree.ops' pointwise losses for input and target of one floating dtype,
 // device and shape, weight and pos_weight broadcasting to it (plain_operand);
 // None otherwise.
@@ -438,7 +516,6 @@ std::optional<at::Tensor> pointwise_loss_entry(const at::Tensor& input, const at
                                                int64_t kind, double alpha, double gamma,
                                                int64_t reduction) {
   static const auto loss_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss");
-  static const auto sum_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss_sum");
   if (!is_kernel_float(input.scalar_type()) || target.scalar_type() != input.scalar_type() ||
       target.sizes() != input.sizes() || target.device() != input.device() ||
       at::autocast::is_autocast_enabled(input.device().type()) || reduction < kReduceNone ||
@@ -451,14 +528,16 @@ std::optional<at::Tensor> pointwise_loss_entry(const at::Tensor& input, const at
     }
   }
   if (reduction == kReduceNone) return loss_op.call(input, target, weight, pos_weight, kind, alpha, gamma);
-  at::Tensor total = sum_op.call(input, target, weight, pos_weight, kind, alpha, gamma);
   const int64_t count = reduction == kReduceSum        ? 1
                         : reduction == kReduceMean     ? input.numel()
                         : input.dim() > 0              ? input.size(0)
                                                        : 1;
-  // A mean over nothing is 0 (as cross_entropy's), not 0 / 0.
-  if (count > 1) total = total / count;
-  return total.to(input.scalar_type());
+  if (any_needs_graph(input, target)) {
+    return NanfreePointwiseLossReducedBackward::apply(input, target, weight, pos_weight, kind, alpha,
+                                                      gamma, count)[0];
+  }
+  return NanfreePointwiseLossReducedBackward::reduce(input, target, weight, pos_weight, kind, alpha,
+                                                     gamma, count);
 }
 
 }  // namespace

@@ -18,11 +18,12 @@ REDUCTIONS = {name: i for i, name in enumerate(_C.LOSS_REDUCTIONS)}
 
 def _value_and_grads(fn, leaves, create_graph=False):
     """fn's value and the gradients of its leaves that require one (upstream
-    gradient: ones), from fresh copies of the leaves."""
+    gradient: 0.3, a number whose division by a count rounds), from fresh
+    copies of the leaves."""
     xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
     out = fn(*xs)
     need = [x for x in xs if x.requires_grad]
-    grads = torch.autograd.grad(out, need, torch.ones_like(out)) if need else ()
+    grads = torch.autograd.grad(out, need, torch.full_like(out, 0.3)) if need else ()
     return out.detach(), grads
 
 
@@ -120,7 +121,8 @@ def _public_pointwise(op, reduction, weight, pos_weight):
 
 
 @pytest.mark.parametrize("op", sorted(POINTWISE))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)
 def test_pointwise_entry_equals_the_python_steps(device, op, dtype):
     kind, extra = POINTWISE[op]
     g = torch.Generator().manual_seed(1)
@@ -199,13 +201,30 @@ def test_reduced_cross_entropy_refuses_double_backward(device, reduction):
             torch.autograd.grad(g.sum(), x)
 
 
-def test_reduced_cross_entropy_sees_an_input_changed_in_place(device):
-    """The node saves the user's tensors (views of them in the op's layout are
-    made again in the backward): autograd's version check still applies."""
+@pytest.mark.parametrize("op", ["cross_entropy", "binary_cross_entropy_with_logits"])
+def test_reduced_loss_sees_an_input_changed_in_place(device, op):
+    """The reduced nodes save the user's tensors (cross entropy's views in the
+    op's layout are made again in the backward): autograd's version check
+    still applies."""
     x = torch.randn(3, 4, device=device, requires_grad=True)
     logits = x * 1.0
-    loss = nf.cross_entropy(logits, torch.tensor([0, 1, 2], device=device))
+    target = (torch.tensor([0, 1, 2], device=device) if op == "cross_entropy"
+              else torch.rand(3, 4, device=device))
+    loss = getattr(nf, op)(logits, target)
     with torch.no_grad():
         logits.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "batchmean"])
+def test_reduced_pointwise_loss_is_one_node_that_refuses_double_backward(device, reduction):
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    t = torch.rand(3, 4, device=device, requires_grad=True)
+    loss = nf.kl_div(x, t, reduction=reduction)
+    assert loss.grad_fn.name().endswith("::NanfreePointwiseLossReducedBackward>")
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="has no derivative: double backward"):
+        torch.autograd.grad(g.sum(), x)
+
+

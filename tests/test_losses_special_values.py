@@ -183,6 +183,39 @@ def test_pointwise_sum_is_the_sum_of_the_losses(device, dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", range(5))
+def test_pointwise_ops_without_weights_equal_them_with_weights_of_one(device, dtype, kind):
+    """Absent weight and pos_weight count 1: the ops give the bits they give with
+    0-d weights of 1. On the CPU a small contiguous call without them is one run
+    made without a TensorIterator, and with them the iterator's run: both add
+    the same losses in the same lanes, below and at the threads' grain (32768)."""
+    gen = torch.Generator().manual_seed(10 + kind)
+    ops = torch.ops.nanfree
+    for n in (1, 17, 32767, 32768):
+        x = (torch.randn(n, generator=gen) * 4).to(dtype)
+        if kind == 1:  # probabilities
+            x = torch.sigmoid(x.float()).clamp(0.01, 0.99).to(dtype)
+        if kind == 2:  # log-probabilities
+            x = -x.abs()
+        x, t = x.to(device), torch.rand(n, generator=gen).to(device=device, dtype=dtype)
+        one = torch.ones((), dtype=dtype, device=device)
+        grads = (torch.tensor(0.3, dtype=dtype, device=device),
+                 torch.randn(n, generator=gen).to(device=device, dtype=dtype))
+        for weights in ((None, None), (one, one)):
+            args = (x, t) + weights + (kind, 0.25, 2.0)
+            if weights[0] is None:
+                plain = (ops.pointwise_loss(*args), ops.pointwise_loss_sum(*args),
+                         [ops.pointwise_loss_backward(g, *args, p) for g in grads for p in (0, 1)])
+            else:
+                weighted = (ops.pointwise_loss(*args), ops.pointwise_loss_sum(*args),
+                            [ops.pointwise_loss_backward(g, *args, p) for g in grads for p in (0, 1)])
+        torch.testing.assert_close(plain[0], weighted[0], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(plain[1], weighted[1], rtol=0, atol=0, equal_nan=True)
+        for got, expected in zip(plain[2], weighted[2]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_pointwise_reductions_keep_nan_and_inf_and_count_nothing_as_zero(device, dtype):
     """A NaN loss makes the mean NaN and an infinite one infinite (as torch's); the
     mean over no element is 0, not 0 / 0 (as cross_entropy's), with an empty gradient."""

@@ -78,15 +78,16 @@ struct RunOperands {
 // broadcast goes through the header's functions instantiated with ATen's
 // vectors (Sleef's exp, log1p, pow); other runs element by element.
 template <PointwiseLoss kind, bool kGrad, typename scalar_t>
-void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d, int partial) {
+void pointwise_run(char** data, const int64_t* strides, int64_t n, double alpha_d, double gamma_d,
+                   int partial) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(scalar_t));
   const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
-  const acc_t bound = static_cast<acc_t>(largest_finite(iter.dtype(0)));
+  const acc_t bound = static_cast<acc_t>(largest_finite(c10::CppTypeToScalarType<scalar_t>::value));
   constexpr int first = kGrad ? 2 : 1;
-  iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
+  {
     const RunOperands<scalar_t, first> run{data, strides};
     if (strides[0] == kSize && run.vectors_from(1)) {
       const V valpha(alpha), vgamma(gamma), vbound(bound);
@@ -116,6 +117,13 @@ void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d
       }
       *reinterpret_cast<scalar_t*>(data[0] + i * strides[0]) = static_cast<scalar_t>(r);
     }
+  }
+}
+
+template <PointwiseLoss kind, bool kGrad, typename scalar_t>
+void pointwise_loop(at::TensorIteratorBase& iter, double alpha, double gamma, int partial) {
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
+    pointwise_run<kind, kGrad, scalar_t>(data, strides, n, alpha, gamma, partial);
   });
 }
 
@@ -126,41 +134,56 @@ void pointwise_loop(at::TensorIteratorBase& iter, double alpha_d, double gamma_d
 // and overflow where the mean does not.
 constexpr int64_t kSumChunk = int64_t{1} << 15;
 
+// The losses of one run added into a chunk's sum: in W double lanes where
+// the run reads vectors, else into `rest`.
+template <PointwiseLoss kind, typename scalar_t>
+struct ChunkSum {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vec<acc_t>;
+  static constexpr int64_t W = V::size();
+  acc_t alpha, gamma;
+  std::array<double, W> lanes{};
+  double rest = 0.0;
+
+  void add_run(char** data, const int64_t* strides, int64_t m) {
+    const RunOperands<scalar_t, 0> run{data, strides};
+    if (run.vectors_from(0)) {
+      const V valpha(alpha), vgamma(gamma);
+      alignas(64) acc_t values[W];
+      for (int64_t i = 0; i < m; i += W) {
+        const int64_t count = std::min<int64_t>(W, m - i);
+        V r = pointwise_loss_value<kind>(run.vectors(i, count), valpha, vgamma);
+        // The lanes past the run's end hold the loss of padding: left out.
+        if (count < W) r = V::set(V(acc_t(0)), r, count);
+        r.store(values);
+        for (int64_t k = 0; k < W; ++k) lanes[k] += static_cast<double>(values[k]);
+      }
+      return;
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      rest += static_cast<double>(pointwise_loss_value<kind>(run.elements(i), alpha, gamma));
+    }
+  }
+  double total() const {
+    double sum = rest;
+    for (int64_t k = 0; k < W; ++k) sum += lanes[k];
+    return sum;
+  }
+};
+
 template <PointwiseLoss kind, typename scalar_t>
 double pointwise_sum(at::TensorIteratorBase& iter, double alpha_d, double gamma_d) {
   using acc_t = at::opmath_type<scalar_t>;
-  using V = Vec<acc_t>;
-  constexpr int64_t W = V::size();
   const acc_t alpha = static_cast<acc_t>(alpha_d), gamma = static_cast<acc_t>(gamma_d);
   const int64_t n = iter.numel();
   std::vector<double> chunk_sums((n + kSumChunk - 1) / kSumChunk, 0.0);
   at::parallel_for(0, static_cast<int64_t>(chunk_sums.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      std::array<double, W> lanes{};
-      double rest = 0.0;
+      ChunkSum<kind, scalar_t> chunk{alpha, gamma};
       iter.serial_for_each(
-          [&](char** data, const int64_t* strides, int64_t m) {
-            const RunOperands<scalar_t, 0> run{data, strides};
-            if (run.vectors_from(0)) {
-              const V valpha(alpha), vgamma(gamma);
-              alignas(64) acc_t values[W];
-              for (int64_t i = 0; i < m; i += W) {
-                const int64_t count = std::min<int64_t>(W, m - i);
-                V r = pointwise_loss_value<kind>(run.vectors(i, count), valpha, vgamma);
-                // The lanes past the run's end hold the loss of padding: left out.
-                if (count < W) r = V::set(V(acc_t(0)), r, count);
-                r.store(values);
-                for (int64_t k = 0; k < W; ++k) lanes[k] += static_cast<double>(values[k]);
-              }
-              return;
-            }
-            for (int64_t i = 0; i < m; ++i) {
-              rest += static_cast<double>(pointwise_loss_value<kind>(run.elements(i), alpha, gamma));
-            }
-          },
+          [&](char** data, const int64_t* strides, int64_t m) { chunk.add_run(data, strides, m); },
           {c * kSumChunk, std::min(n, (c + 1) * kSumChunk)});
-      for (int64_t k = 0; k < W; ++k) rest += lanes[k];
-      chunk_sums[c] = rest;
+      chunk_sums[c] = chunk.total();
     }
   });
   double total = 0.0;
@@ -191,6 +214,59 @@ void pointwise_by_kind(at::TensorIteratorBase& iter, int64_t kind, double alpha,
   dispatch_pointwise_kind(kind, [&](auto kind_c) {
     pointwise_loop<decltype(kind_c)::value, kGrad, scalar_t>(iter, alpha, gamma, partial);
   });
+}
+
+// The one run of a small call in the common layout: input and target
+// contiguous and of one shape, weight and pos_weight absent or so, grad (the
+// backward's) 0-d or so, fewer elements than a thread's grain (the iterator
+// would not split them). Its data pointers and strides are made here, as the
+// iterator would coalesce them (operands (out, [grad,] x, t, w, pw); without
+// `out` for the sum): building a TensorIterator and the 0-d ones standing for
+// absent operands costs a few microseconds, most of a small batch's loss.
+struct FlatRun {
+  std::array<char*, 6> data{};
+  std::array<int64_t, 6> strides{};
+  int count = 0;
+};
+
+template <typename scalar_t>
+char* one_of_type() {
+  static scalar_t one(1);  // read only: an absent weight's value
+  return reinterpret_cast<char*>(&one);
+}
+
+std::optional<FlatRun> flat_run(const at::Tensor& out, const std::optional<at::Tensor>& grad,
+                                const at::Tensor& input, const at::Tensor& target,
+                                const std::optional<at::Tensor>& weight,
+                                const std::optional<at::Tensor>& pos_weight) {
+  const int64_t size = static_cast<int64_t>(input.element_size());
+  auto full = [&](const at::Tensor& t) { return t.is_contiguous() && t.sizes() == input.sizes(); };
+  if (input.numel() >= at::internal::GRAIN_SIZE || !full(input) || !full(target)) return std::nullopt;
+  FlatRun run;
+  auto add = [&](char* data, int64_t stride) {
+    run.data[run.count] = data;
+    run.strides[run.count++] = stride;
+  };
+  if (out.defined()) add(static_cast<char*>(out.data_ptr()), size);
+  if (grad.has_value()) {
+    if (grad->dim() != 0 && !full(*grad)) return std::nullopt;
+    add(static_cast<char*>(const_cast<void*>(grad->const_data_ptr())), grad->dim() == 0 ? 0 : size);
+  }
+  add(static_cast<char*>(const_cast<void*>(input.const_data_ptr())), size);
+  add(static_cast<char*>(const_cast<void*>(target.const_data_ptr())), size);
+  for (const std::optional<at::Tensor>* t : {&weight, &pos_weight}) {
+    if (!t->has_value()) {
+      char* one = nullptr;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "loss_one",
+                                      [&] { one = one_of_type<scalar_t>(); });
+      add(one, 0);
+    } else if (full(**t)) {
+      add(static_cast<char*>(const_cast<void*>((*t)->const_data_ptr())), size);
+    } else {
+      return std::nullopt;
+    }
+  }
+  return run;
 }
 
 // The iterator's operands, kept alive while it runs (it borrows them).
@@ -226,6 +302,15 @@ at::Tensor pointwise_loss_cpu(const at::Tensor& input, const at::Tensor& target,
   check_pointwise_loss(input, target, weight, pos_weight, kind, gamma);
   at::Tensor out = at::empty(input.sizes(), input.options());
   if (out.numel() == 0) return out;
+  if (const std::optional<FlatRun> run = flat_run(out, std::nullopt, input, target, weight, pos_weight)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
+      dispatch_pointwise_kind(kind, [&](auto kind_c) {
+        pointwise_run<decltype(kind_c)::value, false, scalar_t>(
+            const_cast<char**>(run->data.data()), run->strides.data(), input.numel(), alpha, gamma, 0);
+      });
+    });
+    return out;
+  }
   const PointwiseOperandTensors operands = pointwise_operands(std::nullopt, input, weight, pos_weight);
   at::TensorIterator iter = pointwise_iterator(out, input, target, operands);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss",
@@ -238,18 +323,36 @@ at::Tensor pointwise_loss_sum_cpu(const at::Tensor& input, const at::Tensor& tar
                                   const std::optional<at::Tensor>& pos_weight, int64_t kind,
                                   double alpha, double gamma) {
   check_pointwise_loss(input, target, weight, pos_weight, kind, gamma, "pointwise_loss_sum");
-  at::Tensor out = at::zeros({}, input.options().dtype(at::toOpMathType(input.scalar_type())));
-  if (input.numel() == 0) return out;
-  const PointwiseOperandTensors operands = pointwise_operands(std::nullopt, input, weight, pos_weight);
-  at::TensorIterator iter = pointwise_iterator(at::Tensor(), input, target, operands);
+  const at::ScalarType acc = at::toOpMathType(input.scalar_type());
   double total = 0.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_sum",
-                                  [&] {
-    dispatch_pointwise_kind(kind, [&](auto kind_c) {
-      total = pointwise_sum<decltype(kind_c)::value, scalar_t>(iter, alpha, gamma);
+  if (input.numel() == 0) {
+    // The sum of nothing.
+  } else if (const std::optional<FlatRun> run =
+                 flat_run(at::Tensor(), std::nullopt, input, target, weight, pos_weight)) {
+    // One chunk (kSumChunk >= the grain), summed as pointwise_sum sums one.
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_sum", [&] {
+      dispatch_pointwise_kind(kind, [&](auto kind_c) {
+        using acc_t = at::opmath_type<scalar_t>;
+        ChunkSum<decltype(kind_c)::value, scalar_t> chunk{static_cast<acc_t>(alpha), static_cast<acc_t>(gamma)};
+        chunk.add_run(const_cast<char**>(run->data.data()), run->strides.data(), input.numel());
+        total = chunk.total();
+      });
     });
+  } else {
+    const PointwiseOperandTensors operands = pointwise_operands(std::nullopt, input, weight, pos_weight);
+    at::TensorIterator iter = pointwise_iterator(at::Tensor(), input, target, operands);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_sum",
+                                    [&] {
+      dispatch_pointwise_kind(kind, [&](auto kind_c) {
+        total = pointwise_sum<decltype(kind_c)::value, scalar_t>(iter, alpha, gamma);
+      });
+    });
+  }
+  // The double total rounded to the accumulation dtype, as fill_ rounds it.
+  at::Tensor out = at::empty({}, input.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "pointwise_loss_sum", [&] {
+    *out.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(total);
   });
-  out.fill_(total);
   return out;
 }
 
@@ -261,6 +364,16 @@ at::Tensor pointwise_loss_backward_cpu(const at::Tensor& grad, const at::Tensor&
   check_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, gamma, partial);
   at::Tensor out = at::empty(input.sizes(), input.options());
   if (out.numel() == 0) return out;
+  if (const std::optional<FlatRun> run = flat_run(out, grad, input, target, weight, pos_weight)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_backward", [&] {
+      dispatch_pointwise_kind(kind, [&](auto kind_c) {
+        pointwise_run<decltype(kind_c)::value, true, scalar_t>(
+            const_cast<char**>(run->data.data()), run->strides.data(), input.numel(), alpha, gamma,
+            static_cast<int>(partial));
+      });
+    });
+    return out;
+  }
   const PointwiseOperandTensors operands = pointwise_operands(grad, input, weight, pos_weight);
   at::TensorIterator iter = pointwise_iterator(out, input, target, operands);
   AT_DISPATCH_FLOATING_TYPES_AND2(
