@@ -297,6 +297,30 @@ def test_autocast_dtype_as_torch(device):
         assert ours.dtype == theirs.dtype == torch.float32
 
 
+def test_autocast_leaves_float64_as_torch(device):
+    """Autocast's float32 policy casts float16 and bfloat16 only: a float64 loss
+    stays float64 (value and gradient), as torch's."""
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    t = torch.rand(4, 5, generator=gen, dtype=torch.float64).to(device)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    calls = [(nf.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, (x, t)),
+             (nf.cross_entropy, F.cross_entropy, (x, y)),
+             (lambda a, b: nf.kl_div(a, b, reduction="batchmean"),
+              lambda a, b: F.kl_div(a, b, reduction="batchmean"), (x, t)),
+             (lambda a, b: nf.sigmoid_focal_loss(a, b, 0.25, 2, reduction="mean"),
+              lambda a, b: oracle.torchvision_focal(a, b, 0.25, 2).mean(), (x, t))]
+    with torch.autocast(device_type=device, dtype=autocast_dtype):
+        for ours, theirs, args in calls:
+            value, expected = ours(*args), theirs(*args)
+            assert value.dtype == expected.dtype == torch.float64
+            (grad,), (grad_expected,) = (torch.autograd.grad(v, x) for v in (value, expected))
+            assert grad.dtype == torch.float64
+            torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
 def test_legacy_reduction_arguments(device):
     x = torch.randn(3, 4, device=device)
     t = torch.rand(3, 4, device=device)

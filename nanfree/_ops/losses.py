@@ -177,7 +177,8 @@ def autocast_to_float32(op, device_type, *tensors):
     family in float32 (binary_cross_entropy_with_logits, kl_div, nll_loss and
     log_softmax are on autocast's float32 lists; sigmoid_focal_loss's product
     with the float32 cross entropy is float32) and refuses binary_cross_entropy
-    on CUDA; nanfree does the same."""
+    on CUDA; nanfree does the same. As autocast's float32 policy, float64
+    tensors are left as they are (the loss then computes in float64)."""
     if not torch.is_autocast_enabled(device_type):
         return tensors
     if op == "binary_cross_entropy" and device_type == "cuda":
@@ -185,7 +186,8 @@ def autocast_to_float32(op, device_type, *tensors):
             "nanfree.binary_cross_entropy: torch.nn.functional.binary_cross_entropy and "
             "torch.nn.BCELoss are unsafe to autocast (as torch's): use "
             "nanfree.ops.binary_cross_entropy_with_logits on logits instead")
-    return tuple(t if t is None or not t.is_floating_point() else t.float() for t in tensors)
+    return tuple(t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+                 for t in tensors)
 
 
 def _floating(op, name, t):
