@@ -33,9 +33,10 @@ def _check_positive(module, name, value, allow_zero=False):
 
 
 class _OverDim(torch.nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int | None = None) -> None:
         super().__init__()
-        check_dim_type(f"nn.{type(self).__name__}", dim)
+        if dim is not None:  # None: torch's deprecated implicit dim, chosen per call
+            check_dim_type(f"nn.{type(self).__name__}", dim)
         self.dim = dim
 
     def extra_repr(self) -> str:
@@ -46,14 +47,14 @@ class Softmax(_OverDim):
     """``torch.nn.Softmax(dim)`` without NaN; ``forward`` also takes ``mask=``."""
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
-        return ops.softmax(input, self.dim, mask=mask)
+        return ops.softmax(input, self.dim, _stacklevel=5, mask=mask)
 
 
 class LogSoftmax(_OverDim):
     """``torch.nn.LogSoftmax(dim)`` without NaN; ``forward`` also takes ``mask=``."""
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
-        return ops.log_softmax(input, self.dim, mask=mask)
+        return ops.log_softmax(input, self.dim, _stacklevel=5, mask=mask)
 
 
 class CosineSimilarity(torch.nn.Module):

@@ -92,16 +92,34 @@ def _distribution(op, entry, input, dim, dtype, mask):
         return forward(input.to(dtype), dim, mask)[0]
 
 
-def softmax(input, dim, dtype=None, *, mask=None):
-    """``torch.softmax`` that is 0 on an all -inf or fully masked row, 1/k on k +inf
-    entries, and has finite gradients; ``mask`` (True/nonzero = keep) means
-    ``input.masked_fill(~mask, -inf)``."""
+def _implicit_dim(op, input, stacklevel):
+    """torch.nn.functional's deprecated choice of dim when none is given (0 for
+    a 0-, 1- or 3-d input, else 1), with its warning at the caller's line."""
+    warnings.warn(f"Implicit dimension choice for {op} has been deprecated. Change the call to "
+                  f"include dim=X as an argument.", stacklevel=stacklevel)
+    return 0 if input.dim() in (0, 1, 3) else 1
+
+
+def softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
+    """``torch.nn.functional.softmax`` (and ``torch.softmax(input, dim, dtype)``: a
+    dtype as the third argument is the dtype) that is 0 on an all -inf or fully
+    masked row, 1/k on k +inf entries, and has finite gradients; ``mask``
+    (True/nonzero = keep) means ``input.masked_fill(~mask, -inf)``."""
+    if _stacklevel.__class__ is torch.dtype:  # torch.softmax's third argument
+        dtype, _stacklevel = _stacklevel, 3
+    if dim is None and isinstance(input, torch.Tensor):
+        dim = _implicit_dim("softmax", input, _stacklevel)
     return _distribution("softmax", _C.softmax, input, dim, dtype, mask)
 
 
-def log_softmax(input, dim, dtype=None, *, mask=None):
-    """``torch.log_softmax`` that is -inf on an all -inf or fully masked row, -log k
-    on k +inf entries, and has finite gradients; ``mask`` as in :func:`softmax`."""
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
+    """``torch.nn.functional.log_softmax`` (and ``torch.log_softmax``) that is -inf on
+    an all -inf or fully masked row, -log k on k +inf entries, and has finite
+    gradients; ``mask`` as in :func:`softmax`."""
+    if _stacklevel.__class__ is torch.dtype:  # torch.log_softmax's third argument
+        dtype, _stacklevel = _stacklevel, 3
+    if dim is None and isinstance(input, torch.Tensor):
+        dim = _implicit_dim("log_softmax", input, _stacklevel)
     return _distribution("log_softmax", _C.log_softmax, input, dim, dtype, mask)
 
 

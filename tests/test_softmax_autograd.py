@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICES, INTERPRETED
 from torch.library import opcheck
 
+import nanfree.nn as nfnn
 import nanfree.ops as nf
 
 OPS = ["softmax", "log_softmax", "logsumexp"]
@@ -118,3 +120,25 @@ def test_gradient_through_one_of_two_uses(device):
     # Only part of the output reaches the loss; the rest gets no gradient at all.
     (grad,) = torch.autograd.grad(out[0].exp().sum(), x)
     assert torch.isfinite(grad).all() and (grad[1:] == 0).all()
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("ndim", [0, 1, 2, 3, 4])
+def test_implicit_dim_as_torch_nn_functional(device, op, ndim):
+    """Without dim, torch.nn.functional's deprecated choice (0 for a 0-, 1- or 3-d
+    input, else 1) with its warning at the caller's line; the modules likewise;
+    a dtype as the third argument is torch.softmax's dtype."""
+    x = torch.randn((2, 3, 4, 5)[:ndim], device=device)
+    chosen = 0 if ndim in (0, 1, 3) else 1
+    message = f"Implicit dimension choice for {op} has been deprecated"
+    with pytest.warns(UserWarning, match=message) as record:
+        got = getattr(nf, op)(x)  # the line the warning must name
+    assert record[0].filename == __file__
+    torch.testing.assert_close(got, getattr(nf, op)(x, chosen), rtol=0, atol=0)
+    torch.testing.assert_close(got, getattr(F, op)(x, chosen))
+    module = {"softmax": nfnn.Softmax, "log_softmax": nfnn.LogSoftmax}[op]()
+    assert module.dim is None and repr(module) == repr(getattr(torch.nn, type(module).__name__)())
+    with pytest.warns(UserWarning, match=message):
+        torch.testing.assert_close(module(x), got, rtol=0, atol=0)
+    as_torch_softmax = getattr(nf, op)(x, chosen, torch.float64)
+    assert as_torch_softmax.dtype == torch.float64
