@@ -92,11 +92,18 @@ def _distribution(op, entry, input, dim, dtype, mask):
         return forward(input.to(dtype), dim, mask)[0]
 
 
+def _warn_when_eager(message, stacklevel):
+    """torch's deprecation warnings, where torch.nn.functional gives them: not
+    while torch.compile traces (Dynamo cannot trace warnings.warn from here)."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(message, stacklevel=stacklevel + 1)
+
+
 def _implicit_dim(op, input, stacklevel):
     """torch.nn.functional's deprecated choice of dim when none is given (0 for
     a 0-, 1- or 3-d input, else 1), with its warning at the caller's line."""
-    warnings.warn(f"Implicit dimension choice for {op} has been deprecated. Change the call to "
-                  f"include dim=X as an argument.", stacklevel=stacklevel)
+    _warn_when_eager(f"Implicit dimension choice for {op} has been deprecated. Change the call "
+                     f"to include dim=X as an argument.", stacklevel=stacklevel)
     return 0 if input.dim() in (0, 1, 3) else 1
 
 
@@ -776,9 +783,17 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     return _losses.pointwise_call(op, _losses.BCE, input, target, weight, reduction=reduction)
 
 
+_KL_DIV_MEAN_WARNING = (
+    "reduction: 'mean' divides the total loss by both the batch size and the support size."
+    "'batchmean' divides only by the batch size, and aligns with the KL div math definition."
+    "'mean' will be changed to behave the same as 'batchmean' in the next major release.")
+
+
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     """torch.nn.functional.kl_div; a zero target contributes 0 whatever the input."""
     op = "kl_div"
+    if reduction == "mean" and size_average is None and reduce is None:
+        _warn_when_eager(_KL_DIV_MEAN_WARNING, stacklevel=2)  # torch's, word for word
     reduction = _losses.reduction_of(op, size_average, reduce, reduction, extra=("batchmean",))
     kind = _losses.KL_DIV_LOG_TARGET if log_target else _losses.KL_DIV
     result = _loss_entry(op, _C.pointwise_loss, (input, target), input, target, None, None, kind,

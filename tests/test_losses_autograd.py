@@ -6,6 +6,8 @@ batchmean, the legacy size_average / reduce), float64 gradcheck, opcheck of
 the five ops, torch.compile(fullgraph=True), double backward refused, the
 autocast dtypes of torch's, and the nn modules."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from torch.library import opcheck
 
 import losses_oracle as oracle
 import nanfree
+import nanfree.nn as nfnn
 import nanfree.ops as nf
 
 
@@ -243,7 +246,8 @@ def test_compile_fullgraph(device):
         return (nf.cross_entropy(a, y, label_smoothing=0.1, mask=mask)
                 + nf.binary_cross_entropy_with_logits(a, t)
                 + nf.sigmoid_focal_loss(a, t, reduction="mean")
-                + nf.kl_div(torch.log_softmax(a, 1), t, reduction="batchmean"))
+                + nf.kl_div(torch.log_softmax(a, 1), t, reduction="batchmean")
+                + nf.kl_div(torch.log_softmax(a, 1), t))  # 'mean': torch's warning, eager only
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     expected = step(x)
@@ -319,6 +323,23 @@ def test_autocast_leaves_float64_as_torch(device):
             assert grad.dtype == torch.float64
             torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
+def test_kl_div_mean_warns_as_torch(device):
+    x, t = torch.randn(3, 4, device=device), torch.rand(3, 4, device=device)
+    for fn in (nf.kl_div, F.kl_div):
+        with pytest.warns(UserWarning, match="'mean' divides the total loss by both") as record:
+            fn(x, t)  # the line the warning names
+        assert record[0].filename == __file__
+    with pytest.warns(UserWarning, match="'mean' divides the total loss by both") as record:
+        nfnn.KLDivLoss()(x, t)
+    theirs = str(record[0].message)
+    with pytest.warns(UserWarning) as record:
+        F.kl_div(x, t)
+    assert str(record[0].message) == theirs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nf.kl_div(x, t, reduction="batchmean")
 
 
 def test_legacy_reduction_arguments(device):
