@@ -423,7 +423,8 @@ std::optional<at::Tensor> cross_entropy_entry(const at::Tensor& input, const at:
   if (weight.has_value() && (weight->dim() != 1 || weight->size(0) != classes)) return std::nullopt;
   const bool indices = target.scalar_type() == at::kLong;
   if (indices ? target.sizes() != at::IntArrayRef(loss_shape)
-              : target.scalar_type() != input.scalar_type() || target.sizes() != input.sizes()) {
+              : target.scalar_type() != input.scalar_type() || target.sizes() != input.sizes() ||
+                    ignore_index >= 0) {  // probabilities with an ignore_index: Python's error
     return std::nullopt;
   }
   CrossEntropyCall layout{outer,  classes, inner, at::Tensor(),

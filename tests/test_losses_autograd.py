@@ -325,6 +325,26 @@ def test_autocast_leaves_float64_as_torch(device):
             torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.float16, torch.float32),
+                                    (torch.bfloat16, torch.float16)], ids=str)
+def test_probability_target_of_another_dtype_promotes_as_torch(device, dtypes):
+    """cross_entropy computes in torch's promotion of the logits' and the
+    probabilities' dtypes, and returns it (float32 logits with float64
+    probabilities: a float64 loss)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 4, generator=gen).to(device=device, dtype=dtypes[0]).requires_grad_()
+    p = torch.softmax(torch.randn(5, 4, generator=gen), 1).to(device=device, dtype=dtypes[1])
+    # torch's log_softmax of 16-bit logits rounds to their dtype first; nanfree's does not.
+    tol = dict(rtol=1e-2, atol=1e-2) if torch.finfo(dtypes[0]).bits == 16 else {}
+    for reduction in ("none", "mean", "sum"):
+        ours, theirs = (fn(x, p, reduction=reduction) for fn in (nf.cross_entropy, F.cross_entropy))
+        assert ours.dtype == theirs.dtype == torch.promote_types(*dtypes)
+        torch.testing.assert_close(ours, theirs, **tol)
+        (grad,), (grad_expected,) = (torch.autograd.grad(v.sum(), x) for v in (ours, theirs))
+        assert grad.dtype == grad_expected.dtype == dtypes[0]
+        torch.testing.assert_close(grad, grad_expected, **tol)
+
+
 def test_kl_div_mean_warns_as_torch(device):
     x, t = torch.randn(3, 4, device=device), torch.rand(3, 4, device=device)
     for fn in (nf.kl_div, F.kl_div):

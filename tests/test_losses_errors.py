@@ -35,6 +35,17 @@ def test_float8_is_refused(op, dtype):
     raises_before_any_kernel(TypeError, f"nanfree.{op}: `target` {message}", fn, x, low)
 
 
+def test_ignore_index_with_probabilities_is_refused_as_torch(device):
+    x = torch.randn(4, 3, device=device)
+    p = torch.softmax(torch.randn(4, 3, device=device), 1)
+    for index in (0, 2, 7):
+        raises_before_any_kernel(ValueError, rf"nanfree.cross_entropy: `ignore_index` \({index}\) "
+                                 r"is not supported for probability targets", nf.cross_entropy, x,
+                                 p, ignore_index=index)
+    # A negative one is never a class: accepted, as torch accepts it.
+    torch.testing.assert_close(nf.cross_entropy(x, p, ignore_index=-1), nf.cross_entropy(x, p))
+
+
 @pytest.mark.parametrize("op", ["binary_cross_entropy_with_logits", "binary_cross_entropy"])
 def test_target_of_another_size(device, op):
     x = torch.rand(3, 4, device=device)

@@ -319,25 +319,32 @@ def cross_entropy_call(input, target, weight, ignore_index, reduction, label_smo
             raise ValueError(f"nanfree.{op}: `weight` must have one entry per class ({classes}), "
                              f"got shape {list(weight.shape)}")
         check_device(op, "weight", input, weight)
-        weight = weight.to(view.dtype)
     if probabilities:
+        if ignore_index >= 0:  # as torch's, which refuses it (a negative one is never a class)
+            raise ValueError(f"nanfree.{op}: `ignore_index` ({ignore_index}) is not supported for "
+                             f"probability targets")
+        # torch's type promotion of the logits and the probabilities.
+        view = view.to(torch.promote_types(view.dtype, op_target.dtype))
         op_target = op_target.to(view.dtype)
     else:
         _check_targets_in_range(op, op_target, classes, ignore_index)
+    if weight is not None:
+        weight = weight.to(view.dtype)
+    dtype = torch.promote_types(input.dtype, view.dtype)  # the input's, or the promoted one
     if keep is not None:
         keep = (keep.unsqueeze(0) if input.dim() == 1 else keep).reshape(view.shape)
     loss, stats = torch.ops.nanfree.cross_entropy(view, op_target, weight, keep, int(ignore_index),
                                                   float(label_smoothing))
     if reduction == "none":
-        return loss.reshape(loss_shape).to(input.dtype)
+        return loss.reshape(loss_shape).to(dtype)
     total = loss.sum()
     if reduction == "sum":
-        return total.to(input.dtype)
+        return total.to(dtype)
     # No position counted (all ignored or masked): the mean of nothing is 0, not 0 / 0.
     if stats.device.type == "cpu" and not torch.compiler.is_compiling():
         # A CPU value is read without waiting: a division by the number (the
         # denominator has no gradient), summed in float64 as csrc/losses.cpp's.
         count = float(stats.select(-1, 4).sum(dtype=torch.float64))
-        return (total / count if count > 0 else total).to(input.dtype)
+        return (total / count if count > 0 else total).to(dtype)
     denominator = stats.select(-1, 4).sum()
-    return (total / torch.where(denominator > 0, denominator, 1.0)).to(input.dtype)
+    return (total / torch.where(denominator > 0, denominator, 1.0)).to(dtype)
