@@ -130,9 +130,13 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
     return _distribution("log_softmax", _C.log_softmax, input, dim, dtype, mask)
 
 
-def logsumexp(input, dim, keepdim=False, *, mask=None):
+def logsumexp(input, dim, keepdim=False, *, out=None, mask=None):
     """``torch.logsumexp`` over ``dim`` (an int or a sequence of ints): -inf for an
     empty or fully masked set, +inf if an entry is +inf, gradient 0 for both."""
+    if out is not None:
+        check_tensors("logsumexp", out=out)
+        _refuse_out_with_grad("logsumexp", input, out)
+        return _into_out("logsumexp", out, logsumexp(input, dim, keepdim, mask=mask), (input,))
     if isinstance(dim, int):
         _check_dtype_and_dim("logsumexp", None, dim)
         if _entry_allowed():
@@ -234,6 +238,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     check_number("normalize", "eps", eps)
     if out is not None:
         check_tensors("normalize", out=out)
+        _refuse_out_with_grad("normalize", input, out, torch_name="torch.nn.functional.normalize")
     check_float("normalize", "input", input)
     check_dim_type("normalize", dim)
     dim = wrap_dim("normalize", dim, input.dim(), input.dim())
@@ -292,6 +297,15 @@ def _shares_memory(a, b):
         return False
     storage = a.untyped_storage()
     return storage.nbytes() > 0 and storage.data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _refuse_out_with_grad(op, *tensors, torch_name=None):
+    """torch's refusal of out= where an argument (out included) requires grad."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in tensors):
+        raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
+                           f"automatic differentiation, but one of the arguments requires "
+                           f"grad (as {torch_name or 'torch.' + op})")
 
 
 def _into_out(op, out, result, operands=(), stacklevel=3):
@@ -491,10 +505,7 @@ def _unary(op, input, out):
             if _autocast_on(input.device.type):
                 with torch.autocast(input.device.type, enabled=False):
                     return _unary(op, input, out)
-            if torch.is_grad_enabled() and (input.requires_grad or out.requires_grad):
-                raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't "
-                                   f"support automatic differentiation, but one of the "
-                                   f"arguments requires grad (as torch.{op})")
+            _refuse_out_with_grad(op, input, out)
             if not _is_compiling():
                 if _prepare_out(op, out, input.shape, _elementwise.unary_dtype(op, input), input,
                                 stacklevel=4):
@@ -650,11 +661,7 @@ def _binary_general(op, input, other, out, other_name):
         check_tensors(op, input=input)  # one argument must be a tensor, as torch's
     if out is not None:
         check_tensors(op, out=out)
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (input, other, out)):
-            raise RuntimeError(f"nanfree.{op}: functions with out=... arguments don't support "
-                               f"automatic differentiation, but one of the arguments requires "
-                               f"grad (as torch.{op})")
+        _refuse_out_with_grad(op, input, other, out)
         device_type = (input if isinstance(input, torch.Tensor) else other).device.type
         if _autocast_on(device_type):
             with torch.autocast(device_type, enabled=False):

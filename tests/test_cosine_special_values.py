@@ -249,6 +249,12 @@ def test_normalize_out(device):
     out = torch.empty_like(x)
     assert nf.normalize(x, out=out) is out
     torch.testing.assert_close(out, torch.nn.functional.normalize(x))
+    # As torch's: out= takes no argument that requires grad.
+    for p in (2.0, 3.0):
+        with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+            torch.nn.functional.normalize(x.requires_grad_(), p=p, out=out)
+        with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+            nf.normalize(x, p=p, out=out)
 
 
 def test_module(device):

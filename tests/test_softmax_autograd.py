@@ -1,9 +1,11 @@
 """float64 gradcheck, torch.library.opcheck and torch.compile(fullgraph=True)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, INTERPRETED
+from drop_in_checks import out_matches_torch
 from torch.library import opcheck
 
 import nanfree.nn as nfnn
@@ -144,3 +146,23 @@ def test_implicit_dim_as_torch_nn_functional(device, op, ndim):
         torch.testing.assert_close(module(x), got, rtol=0, atol=0)
     as_torch_softmax = getattr(nf, op)(x, chosen, torch.float64)
     assert as_torch_softmax.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dim", [1, (0, 2)], ids=str)
+def test_logsumexp_out_as_torch(device, dim):
+    x = torch.randn(3, 4, 5, device=device)
+    out_matches_torch(lambda t, out=None: nf.logsumexp(t, dim, out=out),
+                      lambda t, out=None: torch.logsumexp(t, dim, out=out), (x,))
+    with pytest.warns(UserWarning, match="was resized"):
+        resized = nf.logsumexp(x, dim, out=torch.empty(2, device=device))
+    torch.testing.assert_close(resized, nf.logsumexp(x, dim), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        nf.logsumexp(x.requires_grad_(), dim, out=torch.empty(0, device=device))
+
+
+def test_numpy_integer_dims_as_torch(device):
+    x = torch.randn(3, 4, 5, device=device)
+    torch.testing.assert_close(nf.logsumexp(x, np.int64(1)), nf.logsumexp(x, 1), rtol=0, atol=0)
+    torch.testing.assert_close(nf.logsumexp(x, (np.int32(0), 2)), nf.logsumexp(x, (0, 2)),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(nf.softmax(x, np.int64(-1)), nf.softmax(x, -1), rtol=0, atol=0)

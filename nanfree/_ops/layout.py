@@ -8,6 +8,7 @@ Pure torch (no Triton), so nanfree.ops and every Python backend can share it.
 """
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -21,16 +22,20 @@ def wrap_reduced_dim(op, t, dim):
 
 
 def reduced_dims(op, t, dim):
-    """The reduced dims of an int or a non-empty sequence of ints, wrapped and
-    sorted; TypeError for anything else, ValueError for a repeated dim."""
-    if isinstance(dim, bool) or not isinstance(dim, (int, Sequence)) or isinstance(dim, str):
+    """The reduced dims of an int or a non-empty sequence of ints (numpy's
+    integers too, as torch takes them), wrapped and sorted; TypeError for
+    anything else, ValueError for a repeated dim."""
+    def is_int(d):
+        return isinstance(d, numbers.Integral) and not isinstance(d, bool)
+
+    if not (is_int(dim) or isinstance(dim, Sequence)) or isinstance(dim, str):
         raise TypeError(f"nanfree.{op}: `dim` must be an int or a non-empty sequence of ints, "
                         f"got {dim!r}")
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+    dims = [dim] if is_int(dim) else list(dim)
+    if not dims or not all(is_int(d) for d in dims):
         raise TypeError(f"nanfree.{op}: `dim` must be an int or a non-empty sequence of ints, "
                         f"got {dim!r}")
-    wrapped = sorted(wrap_reduced_dim(op, t, d) for d in dims)
+    wrapped = sorted(wrap_reduced_dim(op, t, int(d)) for d in dims)
     if len(set(wrapped)) != len(wrapped):
         raise ValueError(f"nanfree.{op}: `dim` {tuple(dims)} names a dimension twice")
     return wrapped
