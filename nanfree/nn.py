@@ -32,42 +32,46 @@ def _check_positive(module, name, value, allow_zero=False):
         raise ValueError(f"nanfree.nn.{module}: `{name}` must be finite and {bound}, got {value}")
 
 
-class _OverDim(torch.nn.Module):
+def _check_module_dim(module):
+    """A module's dim: None (torch's deprecated implicit dim, chosen per call) or an int."""
+    if module.dim is not None:
+        check_dim_type(f"nn.{type(module).__name__}", module.dim)
+
+
+class Softmax(torch.nn.Softmax):
+    """``torch.nn.Softmax(dim)`` without NaN (a subclass: isinstance checks for
+    torch's module still match); ``forward`` also takes ``mask=``."""
+
     def __init__(self, dim: int | None = None) -> None:
-        super().__init__()
-        if dim is not None:  # None: torch's deprecated implicit dim, chosen per call
-            check_dim_type(f"nn.{type(self).__name__}", dim)
-        self.dim = dim
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
-
-
-class Softmax(_OverDim):
-    """``torch.nn.Softmax(dim)`` without NaN; ``forward`` also takes ``mask=``."""
+        super().__init__(dim)
+        _check_module_dim(self)
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
         return ops.softmax(input, self.dim, _stacklevel=5, mask=mask)
 
 
-class LogSoftmax(_OverDim):
-    """``torch.nn.LogSoftmax(dim)`` without NaN; ``forward`` also takes ``mask=``."""
+class LogSoftmax(torch.nn.LogSoftmax):
+    """``torch.nn.LogSoftmax(dim)`` without NaN (a subclass, as Softmax);
+    ``forward`` also takes ``mask=``."""
+
+    def __init__(self, dim: int | None = None) -> None:
+        super().__init__(dim)
+        _check_module_dim(self)
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
         return ops.log_softmax(input, self.dim, _stacklevel=5, mask=mask)
 
 
-class CosineSimilarity(torch.nn.Module):
-    """``torch.nn.CosineSimilarity(dim, eps)`` with nanfree's cosine_similarity."""
+class CosineSimilarity(torch.nn.CosineSimilarity):
+    """``torch.nn.CosineSimilarity(dim, eps)`` with nanfree's cosine_similarity (a
+    subclass, as Softmax)."""
 
     def __init__(self, dim: int = 1, eps: float = 1e-8) -> None:
-        super().__init__()
         check_dim_type("nn.CosineSimilarity", dim)
         # eps 0 is accepted, as torch's module does (the op then uses the
         # smallest normal number; a zero vector still gives 0).
         _check_positive("CosineSimilarity", "eps", eps, allow_zero=True)
-        self.dim = dim
-        self.eps = eps
+        super().__init__(dim, eps)
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         return ops.cosine_similarity(x1, x2, self.dim, self.eps)

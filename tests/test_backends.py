@@ -150,6 +150,10 @@ def test_modules():
     torch.testing.assert_close(nfnn.Softmax(dim=1)(x, mask=mask), nf.softmax(x, 1, mask=mask))
     torch.testing.assert_close(nfnn.LogSoftmax(-1)(x), torch.log_softmax(x, -1))
     assert "dim=1" in repr(nfnn.Softmax(dim=1))
+    # Subclasses of torch's modules: code that looks for torch's finds them.
+    for ours, theirs in ((nfnn.Softmax(1), torch.nn.Softmax), (nfnn.LogSoftmax(1), torch.nn.LogSoftmax),
+                         (nfnn.CosineSimilarity(), torch.nn.CosineSimilarity)):
+        assert isinstance(ours, theirs)
 
 
 def _triton_functions():
