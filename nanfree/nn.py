@@ -32,10 +32,11 @@ def _check_positive(module, name, value, allow_zero=False):
         raise ValueError(f"nanfree.nn.{module}: `{name}` must be finite and {bound}, got {value}")
 
 
-def _check_module_dim(module):
-    """A module's dim: None (torch's deprecated implicit dim, chosen per call) or an int."""
-    if module.dim is not None:
-        check_dim_type(f"nn.{type(module).__name__}", module.dim)
+def _check_module_dim(module, dim):
+    """A module's dim: None (torch's deprecated implicit dim, chosen per call) or an
+    int (checked before torch's own check, whose words name no module)."""
+    if dim is not None:
+        check_dim_type(f"nn.{module}", dim)
 
 
 class Softmax(torch.nn.Softmax):
@@ -43,8 +44,8 @@ class Softmax(torch.nn.Softmax):
     torch's module still match); ``forward`` also takes ``mask=``."""
 
     def __init__(self, dim: int | None = None) -> None:
+        _check_module_dim(type(self).__name__, dim)
         super().__init__(dim)
-        _check_module_dim(self)
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
         return ops.softmax(input, self.dim, _stacklevel=5, mask=mask)
@@ -55,8 +56,8 @@ class LogSoftmax(torch.nn.LogSoftmax):
     ``forward`` also takes ``mask=``."""
 
     def __init__(self, dim: int | None = None) -> None:
+        _check_module_dim(type(self).__name__, dim)
         super().__init__(dim)
-        _check_module_dim(self)
 
     def forward(self, input: torch.Tensor, *, mask=None) -> torch.Tensor:
         return ops.log_softmax(input, self.dim, _stacklevel=5, mask=mask)
