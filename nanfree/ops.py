@@ -70,9 +70,14 @@ def _check_dtype_and_dim(op, dtype, dim):
                         f"float32 or float64), got {dtype}")
 
 
-def _distribution(op, entry, input, dim, dtype, mask):
+def _distribution(op, entry, input, dim, stacklevel, dtype, mask):
     """softmax or log_softmax: the C++ entry point, or what torch.compile traces
-    (the same steps through torch.ops)."""
+    (the same steps through torch.ops). `stacklevel` and `dtype`: F's arguments,
+    or torch.softmax's dtype in stacklevel's place."""
+    if stacklevel.__class__ is torch.dtype:  # torch.softmax's third argument
+        dtype, stacklevel = stacklevel, 3
+    if dim is None and isinstance(input, torch.Tensor):
+        dim = _implicit_dim(op, input, stacklevel + 1)  # counted from softmax's caller
     _check_dtype_and_dim(op, dtype, dim)
     if _entry_allowed():
         try:
@@ -112,22 +117,14 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
     dtype as the third argument is the dtype) that is 0 on an all -inf or fully
     masked row, 1/k on k +inf entries, and has finite gradients; ``mask``
     (True/nonzero = keep) means ``input.masked_fill(~mask, -inf)``."""
-    if _stacklevel.__class__ is torch.dtype:  # torch.softmax's third argument
-        dtype, _stacklevel = _stacklevel, 3
-    if dim is None and isinstance(input, torch.Tensor):
-        dim = _implicit_dim("softmax", input, _stacklevel)
-    return _distribution("softmax", _C.softmax, input, dim, dtype, mask)
+    return _distribution("softmax", _C.softmax, input, dim, _stacklevel, dtype, mask)
 
 
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
     """``torch.nn.functional.log_softmax`` (and ``torch.log_softmax``) that is -inf on
     an all -inf or fully masked row, -log k on k +inf entries, and has finite
     gradients; ``mask`` as in :func:`softmax`."""
-    if _stacklevel.__class__ is torch.dtype:  # torch.log_softmax's third argument
-        dtype, _stacklevel = _stacklevel, 3
-    if dim is None and isinstance(input, torch.Tensor):
-        dim = _implicit_dim("log_softmax", input, _stacklevel)
-    return _distribution("log_softmax", _C.log_softmax, input, dim, dtype, mask)
+    return _distribution("log_softmax", _C.log_softmax, input, dim, _stacklevel, dtype, mask)
 
 
 def logsumexp(input, dim, keepdim=False, *, out=None, mask=None):

@@ -269,6 +269,19 @@ std::optional<FlatRun> flat_run(const at::Tensor& out, const std::optional<at::T
   return run;
 }
 
+// pointwise_run over a flat run of n elements (pointwise_loss, or with kGrad
+// pointwise_loss_backward) for a runtime dtype and kind.
+template <bool kGrad>
+void run_flat(FlatRun run, at::ScalarType dtype, int64_t n, int64_t kind, double alpha,
+              double gamma, int64_t partial) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "pointwise_loss_flat", [&] {
+    dispatch_pointwise_kind(kind, [&](auto kind_c) {
+      pointwise_run<decltype(kind_c)::value, kGrad, scalar_t>(run.data.data(), run.strides.data(), n,
+                                                              alpha, gamma, static_cast<int>(partial));
+    });
+  });
+}
+
 // The iterator's operands, kept alive while it runs (it borrows them).
 struct PointwiseOperandTensors {
   at::Tensor grad, weight, pos_weight;
@@ -303,12 +316,7 @@ at::Tensor pointwise_loss_cpu(const at::Tensor& input, const at::Tensor& target,
   at::Tensor out = at::empty(input.sizes(), input.options());
   if (out.numel() == 0) return out;
   if (const std::optional<FlatRun> run = flat_run(out, std::nullopt, input, target, weight, pos_weight)) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
-      dispatch_pointwise_kind(kind, [&](auto kind_c) {
-        pointwise_run<decltype(kind_c)::value, false, scalar_t>(
-            const_cast<char**>(run->data.data()), run->strides.data(), input.numel(), alpha, gamma, 0);
-      });
-    });
+    run_flat<false>(*run, input.scalar_type(), input.numel(), kind, alpha, gamma, 0);
     return out;
   }
   const PointwiseOperandTensors operands = pointwise_operands(std::nullopt, input, weight, pos_weight);
@@ -327,14 +335,14 @@ at::Tensor pointwise_loss_sum_cpu(const at::Tensor& input, const at::Tensor& tar
   double total = 0.0;
   if (input.numel() == 0) {
     // The sum of nothing.
-  } else if (const std::optional<FlatRun> run =
+  } else if (std::optional<FlatRun> run =
                  flat_run(at::Tensor(), std::nullopt, input, target, weight, pos_weight)) {
     // One chunk (kSumChunk >= the grain), summed as pointwise_sum sums one.
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_sum", [&] {
       dispatch_pointwise_kind(kind, [&](auto kind_c) {
         using acc_t = at::opmath_type<scalar_t>;
         ChunkSum<decltype(kind_c)::value, scalar_t> chunk{static_cast<acc_t>(alpha), static_cast<acc_t>(gamma)};
-        chunk.add_run(const_cast<char**>(run->data.data()), run->strides.data(), input.numel());
+        chunk.add_run(run->data.data(), run->strides.data(), input.numel());
         total = chunk.total();
       });
     });
@@ -365,13 +373,7 @@ at::Tensor pointwise_loss_backward_cpu(const at::Tensor& grad, const at::Tensor&
   at::Tensor out = at::empty(input.sizes(), input.options());
   if (out.numel() == 0) return out;
   if (const std::optional<FlatRun> run = flat_run(out, grad, input, target, weight, pos_weight)) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss_backward", [&] {
-      dispatch_pointwise_kind(kind, [&](auto kind_c) {
-        pointwise_run<decltype(kind_c)::value, true, scalar_t>(
-            const_cast<char**>(run->data.data()), run->strides.data(), input.numel(), alpha, gamma,
-            static_cast<int>(partial));
-      });
-    });
+    run_flat<true>(*run, input.scalar_type(), input.numel(), kind, alpha, gamma, partial);
     return out;
   }
   const PointwiseOperandTensors operands = pointwise_operands(grad, input, weight, pos_weight);

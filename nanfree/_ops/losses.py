@@ -330,7 +330,7 @@ def cross_entropy_call(input, target, weight, ignore_index, reduction, label_smo
         _check_targets_in_range(op, op_target, classes, ignore_index)
     if weight is not None:
         weight = weight.to(view.dtype)
-    dtype = torch.promote_types(input.dtype, view.dtype)  # the input's, or the promoted one
+    dtype = view.dtype  # the input's, or its promotion with the probabilities'
     if keep is not None:
         keep = (keep.unsqueeze(0) if input.dim() == 1 else keep).reshape(view.shape)
     loss, stats = torch.ops.nanfree.cross_entropy(view, op_target, weight, keep, int(ignore_index),
