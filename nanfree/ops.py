@@ -212,41 +212,57 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
 
 
 def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
-    """``F.normalize``: input / max(‖input‖_p, eps) along ``dim``, with norms that
+    """``F.normalize``: input / max(‖input‖_p, eps) along ``dim`` (an int or a
+    sequence of ints; an empty one is every dim, as torch's), with norms that
     never overflow or underflow; a zero vector normalizes to 0 with gradient 0.
-    p = 2 runs fused kernels; another p > 0 (inf included) a torch composition
-    with the same rules."""
+    p = 2 (or 'fro') runs fused kernels; another p > 0 (inf included) a torch
+    composition with the same rules."""
     _check_dtype_and_dim("normalize", None, dim)
-    check_number("normalize", "p", p)
+    if not (p.__class__ is float or p.__class__ is int):
+        p = _cosine.vector_norm_order(p)
     if not p > 0:
         raise ValueError(f"nanfree.normalize: `p` must be positive, got {p}")
-    if p == 2 and out is None and _entry_allowed():
+    if p == 2 and out is None and dim.__class__ is int and _entry_allowed():
         try:
             return _C.normalize(input, dim, eps)
         except TypeError:
             check_tensors("normalize", input=input)
             check_number("normalize", "eps", eps)
-            check_dim_type("normalize", dim)
             raise
         except RuntimeError:
             refuse_torch_func("normalize", input)
             raise
     check_tensors("normalize", input=input)
     check_number("normalize", "eps", eps)
+    dims = _normalize_dims(input, dim)
     if out is not None:
         check_tensors("normalize", out=out)
         _refuse_out_with_grad("normalize", input, out, torch_name="torch.nn.functional.normalize")
     check_float("normalize", "input", input)
-    check_dim_type("normalize", dim)
-    dim = wrap_dim("normalize", dim, input.dim(), input.dim())
-    if p == 2:
-        result = torch.ops.nanfree.normalize(input.movedim(dim, -1), eps)[0].movedim(-1, dim)
-    else:
-        check_eps("normalize", eps)
-        result = _cosine.normalize_p(input, float(p), dim, eps)
+    try:
+        if p == 2:
+            result = _cosine.normalize_dims(input, dims, eps)
+        else:
+            check_eps("normalize", eps)
+            result = _cosine.normalize_p(input, float(p), dims, eps)
+    except RuntimeError:
+        refuse_torch_func("normalize", input)
+        raise
     if out is None:
         return result
     return _into_out("normalize", out, result)
+
+
+def _normalize_dims(input, dim):
+    """normalize's `dim` as the sorted list of the wrapped dims: an int, numpy's
+    integer, or a sequence of them (every dim for an empty one, as torch's
+    norm)."""
+    if isinstance(dim, (tuple, list)) and not dim:
+        dim = list(range(max(input.dim(), 1)))
+    dims = reduced_dims("normalize", input, dim)
+    if input.dim() == 0:
+        wrap_dim("normalize", dims[0], 0, 0)  # raises: a 0-d tensor holds no vector
+    return dims
 
 
 def _can_cast(source, target):

@@ -75,6 +75,15 @@ def test_gradcheck_normalize_other_p(device, p, dim):
     assert torch.autograd.gradcheck(lambda v: nf.normalize(v, p, dim), (x,))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [2.0, 3.0])
+@pytest.mark.parametrize("dim", [(1, 2), (0, 2)])
+def test_gradcheck_normalize_several_dims(device, p, dim):
+    x = _randn(3, 4, 5, device=device)
+    torch.testing.assert_close(nf.normalize(x, p, dim), F.normalize(x, p, dim))
+    assert torch.autograd.gradcheck(lambda v: nf.normalize(v, p, dim, 1e-6), (x,), **GRADCHECK)
+
+
 # (a shape, b shape): 2-D by 2-D, and 1-D inputs taken as one row.
 COS_SIM_CASES = [((3, 5), (4, 5)), ((5,), (4, 5)), ((3, 5), (5,)), ((5,), (5,))]
 
@@ -128,8 +137,8 @@ def test_opcheck_backward_ops(device, dtype):
 
 def _loss(x1, x2):
     """Every public op once (cosine_similarity over dim 0 and broadcast,
-    normalize with p = 2 and through the p != 2 composition, cos_sim of 2-D and
-    1-D inputs), each term weighted so that a wrong gradient cannot cancel."""
+    normalize with p = 2 and through the p != 2 composition, over one dim and
+    over several, cos_sim of 2-D and 1-D inputs), each term weighted so that a wrong gradient cannot cancel."""
     weights = torch.arange(1.0, 6.0, device=x1.device)
     return (
         (nf.cosine_similarity(x1, x2, 0) * weights).sum()
@@ -138,6 +147,8 @@ def _loss(x1, x2):
         + 4 * (nf.normalize(x1, 3.0, -1) * x2).sum()
         + 5 * nf.cos_sim(x1, x2).pow(2).sum()
         + 6 * nf.cos_sim(x1[0], x2).sum()
+        + 7 * (nf.normalize(x1[None], dim=(0, 2)) * x2).sum()
+        + 8 * (nf.normalize(x1, "fro", ()) * x2).sum()
     )
 
 

@@ -190,10 +190,33 @@ def test_normalize_p_not_positive(p):
 
 
 @pytest.mark.backend_independent
-@pytest.mark.parametrize("p", ["fro", None, True, torch.tensor(2.0)])
+@pytest.mark.parametrize("p", [None, True, torch.tensor([2.0]),
+                               torch.tensor(2.0, requires_grad=True)])
 def test_normalize_p_of_wrong_type(p):
+    # As torch's norm: a 0-d tensor without grad is taken as its number, no other.
     with pytest.raises(TypeError, match=r"nanfree\.normalize: `p` must be a number"):
         nf.normalize(torch.randn(2, 3), p)
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("p", ["nuc", "inf"])
+def test_normalize_p_string_other_than_fro(p):
+    # 'nuc' is a matrix norm; 'fro' (the 2-norm of the reduced entries) is taken.
+    raises_before_any_kernel(ValueError, r"nanfree\.normalize: `p` must be a positive number or 'fro'",
+                              nf.normalize, torch.randn(2, 3, 4), p, (1, 2))
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("dim, error, words", [
+    ((1, 1), ValueError, r"`dim` \(1, 1\) names a dimension twice"),
+    ((1, -2), ValueError, r"`dim` \(1, -2\) names a dimension twice"),
+    ((0, 3), IndexError, r"`dim` 3 is out of range"),
+    ((1.0, 2), TypeError, r"`dim` must be an int or a non-empty sequence of ints"),
+    ("12", TypeError, r"`dim` must be an int or a non-empty sequence of ints"),
+])
+def test_normalize_bad_dims(dim, error, words):
+    raises_before_any_kernel(error, r"nanfree\.normalize: " + words,
+                              nf.normalize, torch.randn(2, 3, 4), 2.0, dim)
 
 
 # --- arguments that are not tensors -------------------------------------------------

@@ -213,6 +213,34 @@ def test_other_dims_and_non_contiguous(dim, device):
     torch.testing.assert_close(nf.normalize(a, dim=dim), F.normalize(a, dim=dim))
 
 
+@pytest.mark.parametrize("dim", [(1, 2), [0, 2], (0, 1, 2), (), (2, -3), (-1,)])
+@pytest.mark.parametrize("p", [2.0, "fro", 3.0])
+def test_normalize_over_several_dims(dim, p, device):
+    """A tuple of dims normalizes the vectors of all their entries, as F.normalize
+    (an empty tuple: every dim); the rules hold for such a vector."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64).to(device)
+    F = torch.nn.functional
+    # torch's 'fro' takes at most two dims; it is the 2-norm there.
+    p_torch = 2.0 if p == "fro" else p
+    for t in (x, x.transpose(0, 2)):
+        torch.testing.assert_close(nf.normalize(t, p, dim), F.normalize(t, p_torch, dim))
+    # A zero vector over (1, 2) is 0 with gradient 0; an infinite entry gives the
+    # limit direction; a NaN stays in its own vector.
+    x[0] = 0.0
+    x[1, 2, 3] = INF
+    x[2, 0, 0] = NAN
+    leaf = x.clone().requires_grad_(True)
+    y = nf.normalize(leaf, p, (1, 2))
+    (g,) = torch.autograd.grad((y * torch.arange(60.0, dtype=y.dtype, device=device).view(3, 4, 5)).sum(), leaf)
+    expected_inf = torch.zeros(4, 5, dtype=torch.float64)
+    expected_inf[2, 3] = 1.0
+    torch.testing.assert_close(y[0].cpu(), torch.zeros(4, 5, dtype=torch.float64))
+    torch.testing.assert_close(y[1].cpu(), expected_inf)
+    assert y[2].isnan().all()
+    assert (g[:2] == 0).all() and g[2].isnan().all()
+
+
 def test_empty_batches(device):
     assert nf.cosine_similarity(torch.empty(0, 4, device=device),
                                 torch.empty(0, 4, device=device)).shape == (0,)

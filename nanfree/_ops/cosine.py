@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .common import acc_dtype, check_device, check_eps, check_float, fake_kernels
+from .common import acc_dtype, check_device, check_eps, check_float, check_number, fake_kernels
 
 FORWARD_OPS = ("normalize", "cosine_similarity", "cos_sim_matrix")
 BACKWARD_OPS = ("normalize_backward", "cosine_similarity_backward")
@@ -149,10 +149,37 @@ def register():
 # --- normalize for p != 2 (a torch composition) ----------------------------------
 
 
+def vector_norm_order(p):
+    """F.normalize's `p` as a number: a number as given, 'fro' as 2 (the Frobenius
+    norm of the reduced entries is their 2-norm), a 0-d tensor without grad as its
+    value (as torch's norm takes it); 'nuc', a matrix norm, is refused."""
+    if isinstance(p, str):
+        if p == "fro":
+            return 2.0
+        raise ValueError(f"nanfree.normalize: `p` must be a positive number or 'fro' (a vector "
+                         f"norm), got {p!r}")
+    if isinstance(p, torch.Tensor) and p.dim() == 0 and not p.requires_grad:
+        return p.item()  # torch's norm reads the number too (a host sync on a GPU)
+    check_number("normalize", "p", p)
+    return p
+
+
+def normalize_dims(input, dims, eps):
+    """normalize (p = 2) over several dims, the sorted `dims`: they are moved
+    last and flattened into one (views when they are the trailing dims of a
+    contiguous tensor, else one copy), normalized by the fused op, and put back."""
+    kept = [d for d in range(input.dim()) if d not in dims]
+    moved = input.permute(*kept, *dims)
+    flat = moved.reshape(*moved.shape[:len(kept)], -1)
+    result = torch.ops.nanfree.normalize(flat, eps)[0].reshape(moved.shape)
+    order = kept + dims
+    return result.permute(*sorted(range(input.dim()), key=order.__getitem__))
+
+
 def normalize_p(input, p, dim, eps):
     """F.normalize for p != 2 (no fused kernel), in torch operations that autograd
-    differentiates: x / max(norm_p(x), eps) with the norm taken on x / max|x|, so
-    no power overflows or underflows; the rules of p = 2 otherwise (a vector with
+    differentiates (`dim` an int or a list of ints): x / max(norm_p(x), eps) with
+    the norm taken on x / max|x|, so no power overflows or underflows; the rules of p = 2 otherwise (a vector with
     +-inf entries is their limit direction; vectors below eps, zero and infinite
     ones pass no gradient; NaN stays in its vector)."""
     x = input.to(acc_dtype(input.dtype))

@@ -1,8 +1,9 @@
-"""The reduction layout shared by the softmax and GeM families in Python: a
-tensor reduced over some of its dims seen as [outer, n, inner] (the reduced
-dims as one middle dim), and a mask of the input's shape described as the
-kernels read it (MaskView in csrc/include/nanfree/layout.h, built like
-make_mask_view in csrc/common/softmax_op.h).
+"""The reduction layout shared by the families in Python (softmax, GeM, and
+normalize's dims): a tensor reduced over some of its dims seen as
+[outer, n, inner] (the reduced dims as one middle dim), and a mask of the
+input's shape described as the kernels read it (MaskView in
+csrc/include/nanfree/layout.h, built like make_mask_view in
+csrc/common/softmax_op.h).
 
 Pure torch (no Triton), so nanfree.ops and every Python backend can share it.
 """
