@@ -156,6 +156,8 @@ def test_layouts_as_torch(device, op):
     views += [(a[:, :, ::2].transpose(0, 3), b[0, 0, 0, 0]), (a[0, 0, 0], b.transpose(1, 2)),
               (a.contiguous(memory_format=torch.channels_last), b),
               (a, b.contiguous(memory_format=torch.channels_last))]
+    # One element broadcast (every stride 0), read in place as a 0-d operand is.
+    views += [(a, b[0, 0, 0, :1].expand(2, 3, 4, 5)), (a[:1, :1, :1, :1].expand(2, 3, 4, 5), b)]
     for x, y in views:
         ours, theirs = getattr(nf, op)(x, y), TORCH[op](x, y)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype

@@ -206,6 +206,45 @@ def test_broadcast_upstream_gradient(device, dtype):
         assert torch.equal(broadcast, written)
 
 
+def _layouts(device):
+    """(input, target) pairs of [2, 3, 4, 5] in other layouts: channels-last, a
+    transpose, a target in another layout than the input, a slice (not dense)."""
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(2, 3, 4, 5, generator=gen) * 3).to(device)
+    t = torch.rand(2, 3, 4, 5, generator=gen).to(device)
+    last = torch.channels_last
+    return {
+        "channels_last": (x.to(memory_format=last), t.to(memory_format=last)),
+        "transposed": (x.transpose(0, 3), t.transpose(0, 3)),
+        "target contiguous": (x.to(memory_format=last), t),
+        "slice": (x[:, :, ::2], t[:, :, ::2]),
+    }
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "target contiguous", "slice"])
+def test_pointwise_losses_keep_the_input_layout(device, layout):
+    """reduction='none' and every gradient in input's layout (torch.empty_like's:
+    a dense input's strides), as torch's elementwise results; values as torch's."""
+    x, t = _layouts(device)[layout]
+    pw = torch.rand(x.shape[-1], generator=torch.Generator().manual_seed(13)).to(device) + 0.5
+    cases = [(nf.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, x, {}),
+             (nf.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, x,
+              {"pos_weight": pw}),
+             (nf.binary_cross_entropy, F.binary_cross_entropy, torch.sigmoid(x), {}),
+             (nf.kl_div, F.kl_div, -x.abs(), {})]
+    expected = torch.empty_like(x).stride()
+    for ours, theirs, inp, kwargs in cases:
+        for reduction in ("none", "mean", "sum"):
+            (ov, og), (tv, tg) = _both(ours, theirs, [inp.requires_grad_(), t.requires_grad_()],
+                                       reduction=reduction, **kwargs)
+            _assert_same(ov, tv, torch.float32)
+            for a, b in zip(og, tg):
+                _assert_same(a, b, torch.float32)
+                assert a.stride() == expected, (ours.__name__, reduction)
+            if reduction == "none":
+                assert ov.stride() == expected, ours.__name__
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(device, dtype):
     gen = torch.Generator().manual_seed(8)
@@ -224,6 +263,12 @@ def test_opcheck(device, dtype):
         opcheck(ops.pointwise_loss_backward,
                 (torch.full((), 0.1, dtype=dtype, device=device), x if kind != 1 else operand, t,
                  *weights, kind, 0.25, 2.0, 1))
+    # Fakes and kernels agree on the layout of other inputs' outputs.
+    for x4, t4 in _layouts(device).values():
+        x4, t4 = x4.to(dtype), t4.to(dtype)
+        opcheck(ops.pointwise_loss, (x4, t4, None, None, 0, 0.25, 2.0))
+        opcheck(ops.pointwise_loss_sum, (x4, t4, None, None, 0, 0.25, 2.0))
+        opcheck(ops.pointwise_loss_backward, (torch.ones_like(x4), x4, t4, None, None, 0, 0.25, 2.0, 0))
     x3 = x.reshape(3, 5, 1)
     y = torch.tensor([[0], [4], [-100]], device=device)
     mask = torch.rand(3, 5, 1, generator=gen).to(device) > 0.2

@@ -3,8 +3,8 @@
 // applying nanfree/losses_math.h to each element (eight or sixteen at a time
 // where the run allows, see pointwise_loop). TensorIterator broadcasts
 // weight, pos_weight and grad (a 0-d 1 stands for an absent weight), reads
-// strided operands in place and splits the work over threads; the output is
-// contiguous. pointwise_loss_sum adds the losses up in the same loop instead
+// strided operands in place and splits the work over threads; the output has
+// the input's layout (at::empty_like, as torch's). pointwise_loss_sum adds the losses up in the same loop instead
 // of storing them (the mean and sum reductions read the logits once, write
 // nothing of their size). The cross-entropy kernels are in
 // losses_cross_entropy.cpp.
@@ -313,7 +313,7 @@ at::Tensor pointwise_loss_cpu(const at::Tensor& input, const at::Tensor& target,
                               const std::optional<at::Tensor>& pos_weight, int64_t kind,
                               double alpha, double gamma) {
   check_pointwise_loss(input, target, weight, pos_weight, kind, gamma);
-  at::Tensor out = at::empty(input.sizes(), input.options());
+  at::Tensor out = at::empty_like(input);  // the input's layout, as torch's
   if (out.numel() == 0) return out;
   if (const std::optional<FlatRun> run = flat_run(out, std::nullopt, input, target, weight, pos_weight)) {
     run_flat<false>(*run, input.scalar_type(), input.numel(), kind, alpha, gamma, 0);
@@ -370,7 +370,7 @@ at::Tensor pointwise_loss_backward_cpu(const at::Tensor& grad, const at::Tensor&
                                        const std::optional<at::Tensor>& pos_weight, int64_t kind,
                                        double alpha, double gamma, int64_t partial) {
   check_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, gamma, partial);
-  at::Tensor out = at::empty(input.sizes(), input.options());
+  at::Tensor out = at::empty_like(input);  // the input's layout, as torch's gradient
   if (out.numel() == 0) return out;
   if (const std::optional<FlatRun> run = flat_run(out, grad, input, target, weight, pos_weight)) {
     run_flat<true>(*run, input.scalar_type(), input.numel(), kind, alpha, gamma, partial);

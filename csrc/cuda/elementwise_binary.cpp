@@ -3,10 +3,8 @@
 // are shared with the CPU binding (csrc/common/elementwise_op.h); the kernels
 // live in the torch-free elementwise_binary_kernels.cu, which reads flat
 // arrays. The output takes torch's layout for the operands (TensorIterator's,
-// as on the CPU); an operand
-// of one element is read as it is (step 0: a scalar `other`, a 0-d
-// exponent), one already in the output's layout too, and any other is first
-// copied, broadcast, into that layout.
+// as on the CPU); the operands are read as csrc/cuda/operand_layout.h hands
+// them over (one element in place, any other in the output's layout).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/TensorIterator.h>
@@ -20,6 +18,7 @@
 #include "cuda/aten_device_types.h"
 #include "cuda/cuda_binding.h"
 #include "cuda/elementwise_binary_kernels.h"
+#include "cuda/operand_layout.h"
 #include "nanfree/elementwise_binary_math.h"
 
 namespace nanfree {
@@ -34,16 +33,6 @@ at::Tensor binary_output(std::initializer_list<const at::Tensor*> operands) {
   config.add_output(undefined_output);
   for (const at::Tensor* t : operands) config.add_const_input(*t);
   return config.build().output();
-}
-
-// An operand as the kernels read it against `out`: (tensor, step) with step 0
-// for one element, 1 for out's layout (a broadcast copy when it was not in it).
-std::pair<at::Tensor, int64_t> flat_operand(const at::Tensor& t, const at::Tensor& out) {
-  if (t.numel() == 1) return {t, 0};
-  if (t.sizes() == out.sizes() && t.strides() == out.strides()) return {t, 1};
-  at::Tensor copy = at::empty_like(out);
-  copy.copy_(t.expand(out.sizes()));
-  return {copy, 1};
 }
 
 template <BinaryOp op>
@@ -99,7 +88,7 @@ struct CudaBinaryKernels {
     check_binary_backward(op, grad, input, other, order, partial);
     at::Tensor out = binary_output({&grad, &input, &other});
     // grad is read in out's layout (a copy when it is not dense in it).
-    const at::Tensor g = flat_operand(grad, out).first;
+    const at::Tensor g = in_layout_of(grad, out);
     run_binary<op>(order, partial, g, input, other, out);
     return out;
   }
@@ -110,7 +99,7 @@ struct CudaBinaryKernels {
     check_binary_gradient_operands(op, binary_gradients_name(op), grad, input, other);
     at::Tensor grad_a = binary_output({&grad, &input, &other});
     at::Tensor grad_b = at::empty_like(grad_a);
-    const at::Tensor g = flat_operand(grad, grad_a).first;
+    const at::Tensor g = in_layout_of(grad, grad_a);
     const auto [fa, a_step] = flat_operand(input, grad_a);
     const auto [fb, b_step] = flat_operand(other, grad_a);
     const cudaStream_t stream = current_cuda_stream();

@@ -3,12 +3,12 @@
 // registration.cpp). The argument
 // checks are shared with the CPU binding (csrc/common/losses_op.h); the
 // kernels live in the torch-free losses_kernels.cu behind the launchers of
-// losses_kernels.h, which read contiguous operands: input and target are made
-// contiguous here, an optional weight, pos_weight or grad of one element (or
-// one element broadcast, every stride 0) is passed as it is (read for every
-// position) and any other is copied,
-// broadcast, into the input's contiguous shape. Outputs are contiguous, as the
-// CPU kernels' are.
+// losses_kernels.h, which read flat operands. The output of pointwise_loss and
+// pointwise_loss_backward has the input's layout (at::empty_like: dense, as
+// torch's elementwise results and the CPU kernels'); the operands are read
+// as csrc/cuda/operand_layout.h hands them over (an optional weight,
+// pos_weight or grad of one element in place, any other in the output's
+// layout). pointwise_loss_sum reads them against the input in its layout.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -23,28 +23,24 @@
 #include "cuda/aten_device_types.h"
 #include "cuda/cuda_binding.h"
 #include "cuda/losses_kernels.h"
+#include "cuda/operand_layout.h"
 #include "nanfree/layout.h"
 #include "nanfree/losses_math.h"
 
 namespace nanfree {
 namespace {
 
-// An optional operand as the kernels read it against the input: absent
-// (step 0, no tensor: read as 1), one element (step 0) or a contiguous tensor
-// of the input's shape (step 1, a broadcast copy where it was not one).
+// An optional operand as the kernels read it against the output: absent
+// (step 0, no tensor: read as 1), or as operand_layout.h's flat_operand.
 struct FlatOperand {
   at::Tensor tensor;
   int64_t step;
 };
 
-FlatOperand flat_operand(const std::optional<at::Tensor>& t, const at::Tensor& input) {
+FlatOperand optional_operand(const std::optional<at::Tensor>& t, const at::Tensor& out) {
   if (!t.has_value()) return {at::Tensor(), 0};
-  // One element, or one element broadcast (every stride 0: a reduction's
-  // upstream gradient expanded by autograd): read in place, not copied out.
-  bool one_element = true;
-  for (int64_t d = 0; d < t->dim(); ++d) one_element = one_element && (t->size(d) == 1 || t->stride(d) == 0);
-  if (one_element) return {*t, 0};
-  return {t->expand(input.sizes()).contiguous(), 1};
+  auto [tensor, step] = flat_operand(*t, out);
+  return {std::move(tensor), step};
 }
 
 template <typename scalar_t>
@@ -61,10 +57,10 @@ at::Tensor pointwise_loss(const at::Tensor& input_arg, const at::Tensor& target_
   // CPU operand (mixed devices) it would throw before the checks name it.
   const c10::OptionalDeviceGuard device_guard(input_arg.device());
   check_pointwise_loss(input_arg, target_arg, weight, pos_weight, kind, gamma);
-  at::Tensor out = at::empty(input_arg.sizes(), input_arg.options());
+  at::Tensor out = at::empty_like(input_arg);  // the input's layout, as torch's
   if (out.numel() == 0) return out;
-  const at::Tensor input = input_arg.contiguous(), target = target_arg.contiguous();
-  const FlatOperand w = flat_operand(weight, input), pw = flat_operand(pos_weight, input);
+  const at::Tensor input = in_layout_of(input_arg, out), target = in_layout_of(target_arg, out);
+  const FlatOperand w = optional_operand(weight, out), pw = optional_operand(pos_weight, out);
   const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
                                   "nanfree_pointwise_loss_cuda", [&] {
@@ -87,8 +83,11 @@ at::Tensor pointwise_loss_sum(const at::Tensor& input_arg, const at::Tensor& tar
                        "pointwise_loss_sum");
   const auto acc = at::toOpMathType(input_arg.scalar_type());
   if (input_arg.numel() == 0) return at::zeros({}, input_arg.options().dtype(acc));
-  const at::Tensor input = input_arg.contiguous(), target = target_arg.contiguous();
-  const FlatOperand w = flat_operand(weight, input), pw = flat_operand(pos_weight, input);
+  // A dense input is summed in its own layout (the order of a sum does not
+  // matter to its operands), any other made contiguous.
+  const at::Tensor input = input_arg.is_non_overlapping_and_dense() ? input_arg : input_arg.contiguous();
+  const at::Tensor target = in_layout_of(target_arg, input);
+  const FlatOperand w = optional_operand(weight, input), pw = optional_operand(pos_weight, input);
   // One double per block of the kernel, added here.
   at::Tensor partials = at::empty({gpu::pointwise_loss_sum_partials(input.numel())},
                                   input.options().dtype(at::kDouble));
@@ -113,11 +112,11 @@ at::Tensor pointwise_loss_backward(const at::Tensor& grad, const at::Tensor& inp
   const c10::OptionalDeviceGuard device_guard(input_arg.device());  // as in pointwise_loss
   check_pointwise_loss_backward(grad, input_arg, target_arg, weight, pos_weight, kind, gamma,
                                 partial);
-  at::Tensor out = at::empty(input_arg.sizes(), input_arg.options());
+  at::Tensor out = at::empty_like(input_arg);  // the input's layout, as torch's gradient
   if (out.numel() == 0) return out;
-  const at::Tensor input = input_arg.contiguous(), target = target_arg.contiguous();
-  const FlatOperand g = flat_operand(grad, input);
-  const FlatOperand w = flat_operand(weight, input), pw = flat_operand(pos_weight, input);
+  const at::Tensor input = in_layout_of(input_arg, out), target = in_layout_of(target_arg, out);
+  const FlatOperand g = optional_operand(grad, out);
+  const FlatOperand w = optional_operand(weight, out), pw = optional_operand(pos_weight, out);
   const cudaStream_t stream = current_cuda_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
                                   "nanfree_pointwise_loss_backward_cuda", [&] {

@@ -141,3 +141,16 @@ def fake_kernels(pairs):
     mixed-device call dispatches to)."""
     for name, fake in pairs:
         torch.library.register_fake(f"nanfree::{name}", fake)
+
+
+def is_dense(t):
+    """Whether t's elements fill a span of its storage without overlap or gap, in
+    any order of its dimensions (ATen's is_non_overlapping_and_dense)."""
+    if t.numel() <= 1:
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -13,7 +13,7 @@ torch's `/`."""
 import torch
 from torch._prims_common import compute_elementwise_output_strides
 
-from .common import KERNEL_FLOATS, check_device, check_float, fake_kernels
+from .common import KERNEL_FLOATS, check_device, check_float, fake_kernels, is_dense
 
 UNARY_OPS = ("sqrt", "log", "log1p", "acos", "asin")
 BINARY_OPS = ("pow", "atan2", "div_no_nan", "xlogy", "xlog1py")
@@ -146,19 +146,6 @@ def binary_output(*operands):
     strides = compute_elementwise_output_strides(*(t.expand(shape) for t in operands))
     first = operands[0]
     return torch.empty_strided(shape, strides, dtype=first.dtype, device=first.device)
-
-
-def is_dense(t):
-    """Whether t's elements fill a span of its storage without overlap or gap, in
-    any order of its dimensions (ATen's is_non_overlapping_and_dense)."""
-    if t.numel() <= 1:
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def dense_operands(*tensors):

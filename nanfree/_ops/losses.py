@@ -113,7 +113,7 @@ def check_cross_entropy_backward(grad, input, target, weight, mask, ignore_index
 
 def _fake_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
     check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma)
-    return input.new_empty(input.shape)
+    return torch.empty_like(input)  # the input's layout, as every backend's
 
 
 def _fake_pointwise_loss_sum(input, target, weight, pos_weight, kind, alpha, gamma):
@@ -126,7 +126,7 @@ def _fake_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind,
                                   partial):
     check_pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha, gamma,
                                   partial)
-    return input.new_empty(input.shape)
+    return torch.empty_like(input)
 
 
 def _fake_cross_entropy(input, target, weight, mask, ignore_index, label_smoothing):

@@ -210,7 +210,7 @@ def pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
     _losses.check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma)
     x, t, w, pw = _operands(input, target, weight, pos_weight)
     value = POINTWISE[kind][0](x, t, w, pw, alpha, gamma)
-    return value.expand(input.shape).to(input.dtype).contiguous()
+    return _like_input(value, input)
 
 
 def pointwise_loss_sum(input, target, weight, pos_weight, kind, alpha, gamma):
@@ -229,7 +229,13 @@ def pointwise_loss_backward(grad, input, target, weight, pos_weight, kind, alpha
     x, t, w, pw = _operands(input, target, weight, pos_weight)
     d = POINTWISE[kind][1 + partial](x, t, w, pw, alpha, gamma)
     out = saturate(loss_product(grad.to(x.dtype), d), nf_largest(input.dtype))
-    return out.expand(input.shape).to(input.dtype).contiguous()
+    return _like_input(out, input)
+
+
+def _like_input(value, input):
+    """value (broadcast to input's shape) in input's dtype and layout, as the
+    kernels' outputs (torch.empty_like)."""
+    return torch.empty_like(input).copy_(value.expand(input.shape))
 
 
 # --- cross_entropy -----------------------------------------------------------------

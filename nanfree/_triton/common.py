@@ -1,7 +1,8 @@
 """Launcher plumbing shared by the Triton op families (softmax.py, cosine.py,
 gem.py, mnr.py, elementwise.py, losses.py): in which mode the kernels run, the
-options of every launch, the refusal of a device that mode cannot run, and the
-CUDA device guard. No kernel and no numerics in here.
+options of every launch, the refusal of a device that mode cannot run, the
+CUDA device guard, and how the elementwise families hand an operand to a
+kernel that reads flat arrays. No kernel and no numerics in here.
 
 The kernels run where the Triton of this process can run them: CPU tensors
 when they were defined under Triton's interpreter (TRITON_INTERPRET=1 when the
@@ -75,3 +76,25 @@ class KernelSet:
 def device_guard(t):
     """Makes t's CUDA device current for a launch (nothing for a CPU tensor)."""
     return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
+
+
+def in_layout_of(t, out):
+    """t (out's shape, or broadcast to it) in out's layout (a dense output, as
+    torch.empty_like allocates it): t itself when it has out's strides, else a
+    copy; element i of the flat memory is then out's element i
+    (csrc/cuda/operand_layout.h)."""
+    if t.shape == out.shape and t.stride() == out.stride():
+        return t
+    copy = torch.empty_like(out)
+    copy.copy_(t.expand(out.shape))
+    return copy
+
+
+def flat_operand(t, out):
+    """(tensor, step) of an operand against out: step 0 for one element or one
+    element broadcast (every stride 0: a scalar, a 0-d exponent, a reduction's
+    upstream gradient expanded by autograd), read in place; else step 1 and
+    in_layout_of(t, out)."""
+    if all(size == 1 or stride == 0 for size, stride in zip(t.shape, t.stride())):
+        return t, 0
+    return in_layout_of(t, out), 1

@@ -603,25 +603,13 @@ def _unary_backward(op, grad, input, order=1):
 globals().update(_ew.unary_kernels(_unary, _unary_backward))
 
 
-def _flat_operand(t, out):
-    """(tensor, step) as the binary kernel reads t against out: step 0 for one
-    element, 1 in out's layout (a broadcast copy when t is not in it)."""
-    if t.numel() == 1:
-        return t, 0
-    if t.shape == out.shape and t.stride() == out.stride():
-        return t, 1
-    copy = torch.empty_like(out)
-    copy.copy_(t.expand(out.shape))
-    return copy, 1
-
-
 def _launch_binary(op, order, partial, grad, a, b, out, out2=None):
     n = out.numel()
     if n == 0:
         return out
-    fa, a_step = _flat_operand(a, out)
-    fb, b_step = _flat_operand(b, out)
-    g = fa if grad is None else _flat_operand(grad, out)[0]
+    fa, a_step = common.flat_operand(a, out)
+    fb, b_step = common.flat_operand(b, out)
+    g = fa if grad is None else common.in_layout_of(grad, out)
     with device_guard(out):
         _binary_kernel[(triton.cdiv(n, _BLOCK),)](
             g, fa, a_step, fb, b_step, out, out if out2 is None else out2, n,

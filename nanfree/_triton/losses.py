@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .._ops import losses as _losses
-from .._ops.common import acc_dtype
+from .._ops.common import acc_dtype, is_dense
 from . import common
 from .common import device_guard
 from .element_io import ieee_div, load_acc, store_rounded
@@ -656,27 +656,23 @@ kernels_interpreted = KERNELS.interpreted
 _check_runnable = KERNELS.check_runnable
 
 
-def _flat_operand(t, input):
-    """(tensor, step) as the pointwise kernel reads t: step 0 for one element or one
-    element broadcast (every stride 0: a reduction's upstream gradient expanded by
-    autograd), read in place; else a contiguous copy expanded to the input's shape;
-    None (absent) as (input, 0)."""
-    if t is None:
-        return input, 0
-    if all(size == 1 or stride == 0 for size, stride in zip(t.shape, t.stride())):
-        return t, 0
-    return t.expand(input.shape).contiguous(), 1
+def _optional_operand(t, out):
+    """(tensor, step) as the pointwise kernel reads t against out
+    (common.flat_operand); None (absent) as (out, 0), never read."""
+    return (out, 0) if t is None else common.flat_operand(t, out)
 
 
 def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, partial,
                summed=False):
     _check_runnable(op, input)
-    x, t = input.contiguous(), target.contiguous()
-    n = x.numel()
+    # The operands in one dense layout: the output's, the input's own (as torch's
+    # result has; a sum reads a dense input in place).
+    n = input.numel()
+    layout = input if summed and is_dense(input) else torch.empty_like(input)
+    x, t = common.in_layout_of(input, layout), common.in_layout_of(target, layout)
     blocks = triton.cdiv(n, _BLOCK)
     # summed: one partial sum per program, in float64.
-    out = (torch.empty(blocks, dtype=torch.float64, device=x.device) if summed else
-           torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    out = torch.empty(blocks, dtype=torch.float64, device=x.device) if summed else layout
     if n == 0:
         return out
     # Only binary_cross_entropy(_with_logits) reads weight, only the latter pos_weight
@@ -685,9 +681,9 @@ def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, 
         weight = None
     if kind != _losses.BCE_WITH_LOGITS:
         pos_weight = None
-    w, w_step = _flat_operand(weight, x)
-    pw, pw_step = _flat_operand(pos_weight, x)
-    g, g_step = _flat_operand(grad, x)
+    w, w_step = _optional_operand(weight, x)
+    pw, pw_step = _optional_operand(pos_weight, x)
+    g, g_step = _optional_operand(grad, x)
     with device_guard(x):
         _pointwise_kernel[(blocks,)](
             g, g_step, x, t, w, w_step, pw, pw_step, out, n, float(alpha), float(gamma),
@@ -698,7 +694,7 @@ def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, 
 
 
 def pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma):
-    """The unreduced loss of PointwiseLoss `kind`, contiguous in the input's dtype."""
+    """The unreduced loss of PointwiseLoss `kind` in the input's dtype and layout."""
     _losses.check_pointwise_loss(input, target, weight, pos_weight, kind, alpha, gamma)
     return _pointwise("pointwise_loss", None, input, target, weight, pos_weight, kind, alpha,
                       gamma, 0)
