@@ -39,15 +39,18 @@ __all__ = [
 
 _is_compiling = torch.compiler.is_compiling
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_jit_tracing = torch._C._is_tracing
 
 
 def _entry_allowed():
     """Whether a call may take a C++ entry point of nanfree._C (one crossing
     instead of the torch.ops steps): not while torch.compile traces (Dynamo
-    does not trace into it), and not under a TorchFunctionMode (nanfree.debug's
+    does not trace into it), not under a TorchFunctionMode (nanfree.debug's
     detect_anomaly names the user's line of a call by the torch calls it sees,
-    the Python steps', of which the entry point makes none)."""
-    return not (_is_compiling() or _function_mode_enabled())
+    the Python steps', of which the entry point makes none), and not while
+    torch.jit.trace records (the losses' entries divide a sum and read a
+    count on the host, which the tracer would not record)."""
+    return not (_is_compiling() or _function_mode_enabled() or _jit_tracing())
 
 
 def _check_python_types(op, input, dim, dtype=None, mask=None):
