@@ -223,6 +223,17 @@ struct NanfreeCrossEntropyBackwardBackward final
 enum LossReduction : int64_t { kReduceNone = 0, kReduceMean = 1, kReduceSum = 2, kReduceBatchMean = 3 };
 constexpr const char* kLossReductions[] = {"none", "mean", "sum", "batchmean"};
 
+// Whether the entries may take an input: a real tensor on the CPU or CUDA. A
+// meta tensor, a fake one (FakeTensorMode) or another Python tensor subclass
+// has no data the entries may read or write on the host (a CPU mean's divisor
+// and division, the class indices' range check), and autocast knows no meta
+// device: the Python steps, whose torch operations those tensors take, serve them.
+bool entry_takes(const at::Tensor& input, const at::Tensor& target) {
+  const c10::DeviceType type = input.device().type();
+  return (type == at::kCPU || type == at::kCUDA) && !input.unsafeGetTensorImpl()->is_python_dispatch() &&
+         !target.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
 // A loss's constant operand (weight, pos_weight) the fast call takes as it is:
 // absent, or of the input's dtype and device, and not asking for a gradient
 // (nanfree.ops refuses that, in Python).
@@ -405,7 +416,7 @@ std::optional<at::Tensor> cross_entropy_entry(const at::Tensor& input, const at:
                                               const std::optional<at::Tensor>& mask,
                                               int64_t ignore_index, double label_smoothing,
                                               int64_t reduction) {
-  if (!is_kernel_float(input.scalar_type()) || input.dim() == 0 ||
+  if (!entry_takes(input, target) || !is_kernel_float(input.scalar_type()) || input.dim() == 0 ||
       at::autocast::is_autocast_enabled(input.device().type()) ||
       !(label_smoothing >= 0.0 && label_smoothing <= 1.0) || target.device() != input.device() ||
       !plain_operand(weight, input) || reduction < kReduceNone || reduction > kReduceSum) {
@@ -517,10 +528,10 @@ std::optional<at::Tensor> pointwise_loss_entry(const at::Tensor& input, const at
                                                int64_t kind, double alpha, double gamma,
                                                int64_t reduction) {
   static const auto loss_op = find_op<PointwiseLossSignature>("nanfree::pointwise_loss");
-  if (!is_kernel_float(input.scalar_type()) || target.scalar_type() != input.scalar_type() ||
-      target.sizes() != input.sizes() || target.device() != input.device() ||
-      at::autocast::is_autocast_enabled(input.device().type()) || reduction < kReduceNone ||
-      reduction > kReduceBatchMean) {
+  if (!entry_takes(input, target) || !is_kernel_float(input.scalar_type()) ||
+      target.scalar_type() != input.scalar_type() || target.sizes() != input.sizes() ||
+      target.device() != input.device() || at::autocast::is_autocast_enabled(input.device().type()) ||
+      reduction < kReduceNone || reduction > kReduceBatchMean) {
     return std::nullopt;
   }
   for (const std::optional<at::Tensor>* t : {&weight, &pos_weight}) {

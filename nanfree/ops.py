@@ -25,9 +25,10 @@ from ._ops import elementwise as _elementwise
 from ._ops import gem as _gem
 from ._ops import losses as _losses
 from ._ops import mnr as _mnr
-from ._ops.common import (as_float, broadcast_mask, check_device, check_dim_type, check_eps,
-                          check_float, check_number, check_optional_tensor, check_tensors,
-                          is_bool, is_number, is_symbolic, refuse_torch_func, wrap_dim)
+from ._ops.common import (as_float, autocast_on, broadcast_mask, check_device, check_dim_type,
+                          check_eps, check_float, check_number, check_optional_tensor,
+                          check_tensors, is_bool, is_number, is_symbolic, refuse_torch_func,
+                          wrap_dim)
 from ._ops.layout import reduced_dims, reduced_shape, reduction_view
 
 __all__ = [
@@ -464,17 +465,6 @@ def mnr_loss(queries, positives, negatives=None, *, scale=20.0, symmetric=False,
 # --- elementwise ops with finite gradients (docs/elementwise.md) -----------------------
 
 
-def _autocast_on(device_type):
-    """Whether autocast is on for the device type. torch's out= overloads are on no
-    autocast list, so an op given `out` computes in its inputs' dtype under
-    autocast too: nanfree's ops given `out` run with autocast off (CUDA autocast's
-    atan2 row would otherwise refuse a bfloat16 input under float16 autocast,
-    and log's would compute in float32)."""
-    if device_type in ("cpu", "cuda"):  # autocast is available for both
-        return torch.is_autocast_enabled(device_type)
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
 def _plain_out(out, *inputs):
     """Whether `out` and `inputs` are plain tensors of one floating dtype, shape and
     device, with no gradient to refuse, no autocast and no trace: then <op>_out
@@ -490,7 +480,7 @@ def _plain_out(out, *inputs):
         if (type(t) is not torch.Tensor or t.dtype != dtype or t.shape != shape
                 or t.device != device or (grad and t.requires_grad)):
             return False
-    return not _autocast_on(device.type) and not _is_compiling()
+    return not autocast_on(device.type) and not _is_compiling()
 
 
 _OUT_OPS = {}
@@ -518,7 +508,7 @@ def _unary(op, input, out):
         check_tensors(op, input=input)
         if out is not None:
             check_tensors(op, out=out)
-            if _autocast_on(input.device.type):
+            if autocast_on(input.device.type):
                 with torch.autocast(input.device.type, enabled=False):
                     return _unary(op, input, out)
             _refuse_out_with_grad(op, input, out)
@@ -679,7 +669,7 @@ def _binary_general(op, input, other, out, other_name):
         check_tensors(op, out=out)
         _refuse_out_with_grad(op, input, other, out)
         device_type = (input if isinstance(input, torch.Tensor) else other).device.type
-        if _autocast_on(device_type):
+        if autocast_on(device_type):
             with torch.autocast(device_type, enabled=False):
                 return _binary_general(op, input, other, out, other_name)
     if (op in ("pow", "div_no_nan") and isinstance(input, torch.Tensor)

@@ -154,3 +154,23 @@ def is_dense(t):
             return False
         expected *= size
     return True
+
+
+def autocast_on(device_type):
+    """Whether autocast is on for the device type (False for a device autocast
+    does not know, such as meta, where torch.is_autocast_enabled raises)."""
+    if device_type in ("cpu", "cuda"):  # autocast is available for both
+        return torch.is_autocast_enabled(device_type)
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def readable_on_host(t):
+    """Whether t's values may be read on the host without a device sync and
+    without being baked into a trace: a CPU tensor with data (not a fake tensor
+    or another subclass that dispatches in Python), outside torch.compile's and
+    torch.jit.trace's tracing."""
+    return (t.device.type == "cpu" and not torch._C._dispatch_keys(t).has(_PYTHON_KEY)
+            and not torch.compiler.is_compiling() and not torch._C._is_tracing())
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python

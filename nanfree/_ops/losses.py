@@ -8,7 +8,8 @@ autograd is C++ (csrc/losses.cpp), as every family's."""
 
 import torch
 
-from .common import KERNEL_FLOATS, acc_dtype, broadcast_mask, broadcasts_to, check_device, check_float, fake_kernels
+from .common import (KERNEL_FLOATS, acc_dtype, autocast_on, broadcast_mask, broadcasts_to,
+                     check_device, check_float, fake_kernels, readable_on_host)
 
 # PointwiseLoss of losses_math.h.
 BCE_WITH_LOGITS, BCE, KL_DIV, KL_DIV_LOG_TARGET, SIGMOID_FOCAL = range(5)
@@ -179,7 +180,7 @@ def autocast_to_float32(op, device_type, *tensors):
     with the float32 cross entropy is float32) and refuses binary_cross_entropy
     on CUDA; nanfree does the same. As autocast's float32 policy, float64
     tensors are left as they are (the loss then computes in float64)."""
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_on(device_type):
         return tensors
     if op == "binary_cross_entropy" and device_type == "cuda":
         raise RuntimeError(
@@ -286,7 +287,7 @@ def _check_targets_in_range(op, target, classes, ignore_index):
     """Class indices of a CPU tensor in [0, C) (or ignore_index), else IndexError
     as torch's. On other devices this would cost a host sync: there an
     out-of-range target leaves its position out (docs/losses.md)."""
-    if target.device.type != "cpu" or target.numel() == 0 or torch.compiler.is_compiling():
+    if target.numel() == 0 or not readable_on_host(target):
         return
     low, high = torch.aminmax(target)
     if int(low) >= 0 and int(high) < classes:
@@ -341,7 +342,7 @@ def cross_entropy_call(input, target, weight, ignore_index, reduction, label_smo
     if reduction == "sum":
         return total.to(dtype)
     # No position counted (all ignored or masked): the mean of nothing is 0, not 0 / 0.
-    if stats.device.type == "cpu" and not torch.compiler.is_compiling():
+    if readable_on_host(stats):
         # A CPU value is read without waiting: a division by the number (the
         # denominator has no gradient), summed in float64 as csrc/losses.cpp's.
         count = float(stats.select(-1, 4).sum(dtype=torch.float64))
