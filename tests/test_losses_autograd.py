@@ -145,6 +145,21 @@ def test_cross_entropy_as_torch(device, dtype, shape, reduction):
                 _assert_same(a, b, dtype)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int16, torch.uint8, torch.int8])
+def test_cross_entropy_takes_indices_of_any_integer_dtype(device, index_dtype):
+    """Class indices of another integer dtype than int64 (torch takes uint8 too,
+    and raises for int32) give the int64 call's loss and gradient."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(6, 5, 3, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, 5, (6, 3), generator=gen).to(device)
+    y[0, 1] = 2  # an ignored position
+    for reduction in ("none", "mean", "sum"):
+        want = nf.cross_entropy(x, y, ignore_index=2, reduction=reduction)
+        got = nf.cross_entropy(x, y.to(index_dtype), ignore_index=2, reduction=reduction)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("classes", [10, 16])  # 16: the CUDA kernels' vector reads
 def test_cross_entropy_mask_as_masked_fill(device, dtype, classes):
