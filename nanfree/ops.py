@@ -133,7 +133,10 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None, *, mask=None):
 
 def logsumexp(input, dim, keepdim=False, *, out=None, mask=None):
     """``torch.logsumexp`` over ``dim`` (an int or a sequence of ints): -inf for an
-    empty or fully masked set, +inf if an entry is +inf, gradient 0 for both."""
+    empty or fully masked set, +inf if an entry is +inf, gradient 0 for both.
+    Integer and bool input is taken in the default dtype, as torch's."""
+    if isinstance(input, torch.Tensor) and not (input.is_floating_point() or input.is_complex()):
+        input = input.to(torch.get_default_dtype())
     if out is not None:
         check_tensors("logsumexp", out=out)
         _refuse_out_with_grad("logsumexp", input, out)

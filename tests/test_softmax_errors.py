@@ -11,6 +11,14 @@ import nanfree.ops as nf
                                    torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_non_float_input(op, dtype):
     x = torch.zeros(2, 3, dtype=dtype)
+    if op == "logsumexp" and not (dtype.is_floating_point or dtype.is_complex):
+        # As torch's: integers and bool are taken in the default dtype.
+        x = torch.tensor([[0, 3, -2], [5, 1, 1]]).to(dtype)
+        for dim in (-1, 0, (0, 1)):
+            got, want = nf.logsumexp(x, dim), torch.logsumexp(x, dim)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+        return
     with pytest.raises(TypeError, match=f"nanfree.{op}: `input`"):
         getattr(nf, op)(x, -1)
 
