@@ -511,6 +511,10 @@ def _unary(op, input, out):
         check_tensors(op, input=input)
         if out is not None:
             check_tensors(op, out=out)
+            # torch's out= overloads are on no autocast list: given `out`, an op
+            # computes in its inputs' dtype under autocast too (CUDA autocast's
+            # log row would compute in float32, its atan2 row refuse a bfloat16
+            # input under float16 autocast).
             if autocast_on(input.device.type):
                 with torch.autocast(input.device.type, enabled=False):
                     return _unary(op, input, out)
@@ -672,7 +676,7 @@ def _binary_general(op, input, other, out, other_name):
         check_tensors(op, out=out)
         _refuse_out_with_grad(op, input, other, out)
         device_type = (input if isinstance(input, torch.Tensor) else other).device.type
-        if autocast_on(device_type):
+        if autocast_on(device_type):  # out= is on no autocast list (as in _unary)
             with torch.autocast(device_type, enabled=False):
                 return _binary_general(op, input, other, out, other_name)
     if (op in ("pow", "div_no_nan") and isinstance(input, torch.Tensor)
