@@ -39,8 +39,10 @@ run() {
   shift
   echo "=== tests with ${environment[*]} ==="
   local pass_start=$SECONDS
-  # pytest's exit code 5 (nothing collected) fails the run like any other.
-  env "${environment[@]}" "$PYTHON" -m pytest -q -p no:cacheprovider "$@" "${PYTEST_ARGS[@]}"
+  # pytest's exit code 5 (nothing collected) fails the run like any other. The
+  # slowest tests are listed, which shows where a pass's time goes.
+  env "${environment[@]}" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 \
+    --durations-min=3 "$@" "${PYTEST_ARGS[@]}"
   echo "=== tests with ${environment[*]} took $((SECONDS - pass_start)) s ==="
 }
 OTHER=(-m "not backend_independent")
