@@ -241,7 +241,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
             raise
     check_tensors("normalize", input=input)
     check_number("normalize", "eps", eps)
-    dims = _normalize_dims(input, dim)
+    dims = _wrapped_normalize_dims(input, dim)
     if out is not None:
         check_tensors("normalize", out=out)
         _refuse_out_with_grad("normalize", input, out, torch_name="torch.nn.functional.normalize")
@@ -260,7 +260,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     return _into_out("normalize", out, result)
 
 
-def _normalize_dims(input, dim):
+def _wrapped_normalize_dims(input, dim):
     """normalize's `dim` as the sorted list of the wrapped dims: an int, numpy's
     integer, or a sequence of them (every dim for an empty one, as torch's
     norm)."""

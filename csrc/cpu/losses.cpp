@@ -4,10 +4,10 @@
 // where the run allows, see pointwise_loop). TensorIterator broadcasts
 // weight, pos_weight and grad (a 0-d 1 stands for an absent weight), reads
 // strided operands in place and splits the work over threads; the output has
-// the input's layout (at::empty_like, as torch's). pointwise_loss_sum adds the losses up in the same loop instead
-// of storing them (the mean and sum reductions read the logits once, write
-// nothing of their size). The cross-entropy kernels are in
-// losses_cross_entropy.cpp.
+// the input's layout (at::empty_like, as torch's). pointwise_loss_sum adds the
+// losses up in the same loop instead of storing them (the mean and sum
+// reductions read the logits once, write nothing of their size). The
+// cross-entropy kernels are in losses_cross_entropy.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

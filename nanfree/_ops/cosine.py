@@ -179,9 +179,10 @@ def normalize_dims(input, dims, eps):
 def normalize_p(input, p, dim, eps):
     """F.normalize for p != 2 (no fused kernel), in torch operations that autograd
     differentiates (`dim` an int or a list of ints): x / max(norm_p(x), eps) with
-    the norm taken on x / max|x|, so no power overflows or underflows; the rules of p = 2 otherwise (a vector with
-    +-inf entries is their limit direction; vectors below eps, zero and infinite
-    ones pass no gradient; NaN stays in its vector)."""
+    the norm taken on x / max|x|, so no power overflows or underflows; the rules
+    of p = 2 otherwise (a vector with +-inf entries is their limit direction;
+    vectors below eps, zero and infinite ones pass no gradient; NaN stays in its
+    vector)."""
     x = input.to(acc_dtype(input.dtype))
     amax = x.abs().amax(dim=dim, keepdim=True)
     # The norm branch sees finite vectors only: an infinite or NaN vector there

@@ -665,14 +665,18 @@ def _optional_operand(t, out):
 def _pointwise(op, grad, input, target, weight, pos_weight, kind, alpha, gamma, partial,
                summed=False):
     _check_runnable(op, input)
-    # The operands in one dense layout: the output's, the input's own (as torch's
-    # result has; a sum reads a dense input in place).
     n = input.numel()
-    layout = input if summed and is_dense(input) else torch.empty_like(input)
-    x, t = common.in_layout_of(input, layout), common.in_layout_of(target, layout)
     blocks = triton.cdiv(n, _BLOCK)
-    # summed: one partial sum per program, in float64.
-    out = torch.empty(blocks, dtype=torch.float64, device=x.device) if summed else layout
+    if summed:
+        # A dense input read in place (a sum's order does not matter), another
+        # made contiguous; one partial sum per program, in float64.
+        x = input if is_dense(input) else input.contiguous()
+        out = torch.empty(blocks, dtype=torch.float64, device=x.device)
+    else:
+        # The output in the input's layout, as torch's result; the input read in it.
+        out = torch.empty_like(input)
+        x = common.in_layout_of(input, out)
+    t = common.in_layout_of(target, x)
     if n == 0:
         return out
     # Only binary_cross_entropy(_with_logits) reads weight, only the latter pos_weight
